@@ -1,0 +1,44 @@
+"""specagent: speculative decoding on a local model, governed by per-task policies.
+
+Public names only; everything else is private to its module.
+"""
+
+from ._version import __version__
+from .errors import (
+    ContextLengthError,
+    GenerationError,
+    IncompatibleDraftError,
+    InvalidRequestError,
+    ModelLoadError,
+    PolicyError,
+    PolicyNotFoundError,
+    RuntimeClosedError,
+    RuntimeOverloadedError,
+    SpecAgentError,
+)
+from .policy import Policy, PolicySet, load_policies, load_policy
+from .results import GenerationResult, SpecStats, StreamChunk, Usage
+from .runtime import SpecRuntime
+
+__all__ = [
+    "ContextLengthError",
+    "GenerationError",
+    "GenerationResult",
+    "IncompatibleDraftError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "Policy",
+    "PolicyError",
+    "PolicyNotFoundError",
+    "PolicySet",
+    "RuntimeClosedError",
+    "RuntimeOverloadedError",
+    "SpecAgentError",
+    "SpecRuntime",
+    "SpecStats",
+    "StreamChunk",
+    "Usage",
+    "__version__",
+    "load_policies",
+    "load_policy",
+]

@@ -1,0 +1,90 @@
+"""Turning a call's prompt into token ids: text, token ids, or chat messages.
+
+Chat messages go through the tokenizer's own chat template (``apply_chat_template``), so every
+model gets the format it was trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import InvalidRequestError
+
+__all__ = ["Prompt", "render_prompt"]
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
+
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
+
+
+def render_prompt(
+    prompt: Prompt,
+    tokenizer: Any | None,
+    *,
+    vocab_size: int,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids for ``prompt``; raises ``InvalidRequestError`` naming what is wrong."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        ids = list(_need_tokenizer(tokenizer, "a text prompt").encode(prompt))
+    elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        if len(prompt) == 0:
+            raise InvalidRequestError("prompt is empty (no tokens or messages)")
+        if all(isinstance(x, Mapping) for x in prompt):
+            ids = _render_messages(prompt, tokenizer, tools)  # type: ignore[arg-type]
+        elif all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            ids = [int(x) for x in prompt]  # type: ignore[arg-type]
+        else:
+            msg = "prompt must be a string, a list of token ids (int), or a list of chat messages (dict)"
+            raise InvalidRequestError(msg)
+    else:
+        msg = f"prompt must be a string, token ids or chat messages, got {type(prompt).__name__}"
+        raise InvalidRequestError(msg)
+    if not ids:
+        raise InvalidRequestError("prompt encodes to no tokens")
+    bad = [x for x in ids if not 0 <= x < vocab_size]
+    if bad:
+        msg = f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        raise InvalidRequestError(msg)
+    return ids
+
+
+def _need_tokenizer(tokenizer: Any | None, what: str) -> Any:
+    if tokenizer is None:
+        msg = f"{what} needs a tokenizer; this runtime has none (pass tokenizer=...)"
+        raise InvalidRequestError(msg)
+    return tokenizer
+
+
+def _render_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tokenizer: Any | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> list[int]:
+    tok = _need_tokenizer(tokenizer, "a chat prompt")
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in _ROLES:
+            msg = f"message {i}: role must be one of {sorted(_ROLES)}, got {role!r}"
+            raise InvalidRequestError(msg)
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            msg = f"message {i}: content must be a string or a list of parts, got {type(content).__name__}"
+            raise InvalidRequestError(msg)
+    if getattr(tok, "chat_template", None) is None:
+        raise InvalidRequestError("this tokenizer has no chat template; pass text or token ids")
+    try:
+        rendered = tok.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=True,
+            tokenize=True,
+        )
+    except Exception as exc:  # jinja errors, template-specific checks
+        msg = f"the chat template could not render these messages: {exc}"
+        raise InvalidRequestError(msg) from exc
+    ids = rendered["input_ids"] if isinstance(rendered, Mapping) or hasattr(rendered, "keys") else rendered
+    return [int(x) for x in ids]

@@ -1,0 +1,1 @@
+"""The decoding core: pure, synchronous torch. No asyncio, no I/O, no globals."""

@@ -1,0 +1,150 @@
+"""Drafters: cheap proposers of the next k tokens.
+
+One small interface (as transformers' ``CandidateGenerator``): ``propose(context, k, ...)`` returns
+up to k tokens and, where the drafter has one, the distribution q each was drawn from. A drafter
+object lives for one call and keeps that call's state (a draft KV cache); ``observe`` tells it how
+many of its tokens were accepted.
+
+- ``DraftModelDrafter``: a separate small model sharing the target's tokenizer.
+- ``EarlyExitDrafter``: the target's own first N layers + its final norm and head (self-speculation;
+  no second model in memory). Only pays on checkpoints trained for early exit (LayerSkip).
+- ``PromptLookupDrafter``: copies what followed the latest earlier occurrence of the last n-gram in
+  the prompt or output: free, and strong on extraction, editing and tool-call arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .cache import ModelRunner, crop_to
+from .sampling import SamplingParams, logits_to_probs, sample
+
+__all__ = [
+    "DraftModelDrafter",
+    "Drafter",
+    "EarlyExitDrafter",
+    "PromptLookupDrafter",
+    "Proposal",
+]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens and, if the drafter samples, the distribution q of each ``[n, V]``.
+    ``probs is None`` means the tokens were proposed deterministically (q is one-hot)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+EMPTY = Proposal(tokens=[])
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens for one call."""
+
+    name: str
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        """Up to ``k`` tokens to follow ``context`` (prompt + output so far)."""
+        ...
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """How many of the last proposal's tokens the target accepted."""
+        ...
+
+
+class DraftModelDrafter:
+    """Autoregressive drafting with a small model and its own KV cache.
+
+    The cache tracks which tokens it holds; before drafting, it is cropped to the longest prefix
+    it shares with the accepted context and only the rest is fed. That one rule rolls back
+    rejected draft tokens and catches up after plain (k = 0) steps alike.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.cache = runner.new_cache()
+        self._cached: list[int] = []
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        if k <= 0 or not context:
+            return EMPTY
+        shared = _common_prefix(self._cached, context)
+        shared = min(shared, len(context) - 1)  # always feed at least the last token
+        crop_to(self.cache, shared)
+        del self._cached[shared:]
+        feed = context[shared:]
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for step in range(k):
+            logits = self.runner.forward(feed, self.cache, keep=1)[-1]
+            self._cached.extend(feed)
+            probs = logits_to_probs(logits, params)
+            token = int(logits.argmax()) if params.greedy else int(sample(probs, generator))
+            tokens.append(token)
+            rows.append(probs)
+            if step < k - 1:
+                feed = [token]
+        return Proposal(tokens=tokens, probs=torch.stack(rows))
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Nothing to learn: the next ``propose`` crops the cache to the accepted context."""
+
+
+class EarlyExitDrafter(DraftModelDrafter):
+    """Self-speculation through a shallow view of the target (see ``cache.early_exit_view``)."""
+
+    name = "early_exit"
+
+
+class PromptLookupDrafter:
+    """n-gram lookup in the context (Saxena 2023; transformers' prompt lookup decoding).
+
+    Tries the longest n-gram first (``max_ngram`` down to ``min_ngram``) and takes the most recent
+    earlier match, which tracks what the output is currently copying."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            msg = f"prompt_lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+            raise ValueError(msg)
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(
+        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+    ) -> Proposal:
+        if k <= 0:
+            return EMPTY
+        length = len(context)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            tail = context[length - n :]
+            # Search right to left, excluding the tail itself.
+            for start in range(length - n - 1, -1, -1):
+                if context[start : start + n] == tail:
+                    follow = context[start + n : start + n + k]
+                    if follow:
+                        return Proposal(tokens=list(follow))
+        return EMPTY
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Lookup has no state to update."""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

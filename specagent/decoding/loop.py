@@ -1,0 +1,180 @@
+"""The speculative decoding loop for one sequence.
+
+``speculative_generate`` is a generator: every ``next()`` runs exactly one decoding step (draft,
+verify, accept, roll back) and yields the tokens that step emitted. The caller therefore decides
+between steps whether to go on, which is how the runtime cancels a call at the next step and
+interleaves many calls on one worker. The final event carries the finish reason and counters.
+
+One step, with ``context`` = prompt + output so far and the target cache holding all of it but the
+last token:
+
+1. the schedule picks k; the drafter proposes up to k tokens ``x_1..x_k`` (and their q);
+2. one target forward over ``[context[-1], x_1..x_k]`` gives p for k + 1 positions;
+3. the acceptance rule accepts a prefix of n draft tokens and emits one more token;
+4. the target cache is cropped to ``len(context) + n``; the drafter crops its own on its next call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
+from .cache import ModelRunner, crop_to
+from .drafters import EMPTY, Drafter
+from .sampling import SamplingParams, logits_to_probs
+from .schedule import FixedSchedule, Schedule
+
+__all__ = ["DecodeCounters", "DecodeEvent", "speculative_generate"]
+
+StopCheck = Callable[[list[int]], "int | None"]
+"""Given the output so far, the number of tokens to keep if a stop string appeared, else None."""
+
+
+@dataclass
+class DecodeCounters:
+    """What one call's speculation did; the runtime turns this into ``SpecStats``."""
+
+    num_drafts: int = 0
+    """Verification steps that checked at least one draft token."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    """Decoding forwards of the target (speculative and plain steps; not the prefill)."""
+    emitted_tokens: int = 0
+    divergence_sum: float = 0.0
+    fell_back_to_lossless: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.emitted_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def divergence(self) -> float:
+        return self.divergence_sum / self.emitted_tokens if self.emitted_tokens else 0.0
+
+    def record(self, proposed: int, verdict: Verdict) -> None:
+        self.target_forwards += 1
+        self.emitted_tokens += verdict.num_accepted + 1
+        self.divergence_sum += sum(verdict.divergences)
+        if proposed:
+            self.num_drafts += 1
+            self.num_draft_tokens += proposed
+            self.num_accepted_tokens += verdict.num_accepted
+            if len(self.accepted_per_position) < proposed:
+                self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+            for i in range(verdict.num_accepted):
+                self.accepted_per_position[i] += 1
+
+
+@dataclass
+class DecodeEvent:
+    """Tokens emitted by one step; ``finish_reason`` is set on the last event of a call."""
+
+    token_ids: list[int]
+    counters: DecodeCounters
+    finish_reason: str | None = None
+    """``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens or the context window)."""
+    output_ids: list[int] | None = None
+    """On the last event: the whole output, cut before any stop string or EOS."""
+
+
+def speculative_generate(
+    target: ModelRunner,
+    prompt_ids: Sequence[int],
+    *,
+    params: SamplingParams,
+    generator: torch.Generator,
+    max_new_tokens: int,
+    drafter: Drafter | None = None,
+    schedule: Schedule | None = None,
+    rule: RelaxedRule | None = None,
+    max_divergence: float | None = None,
+    eos_token_ids: Sequence[int] = (),
+    stop_check: StopCheck | None = None,
+    max_context: int | None = None,
+) -> Iterator[DecodeEvent]:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``, one step per ``next()``.
+
+    ``rule=None`` is lossless. With a rule, ``max_divergence`` bounds the running mean divergence:
+    once it is exceeded, the rest of the call is verified losslessly.
+    """
+    if not prompt_ids:
+        raise ValueError("prompt_ids must hold at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    schedule = schedule or FixedSchedule(0)
+    limit = max_context if max_context is not None else math.inf
+    eos = set(eos_token_ids)
+    counters = DecodeCounters()
+    cache = target.new_cache()
+    context = list(prompt_ids)
+    output: list[int] = []
+    if len(context) > 1:
+        target.forward(context[:-1], cache, keep=1)  # prefill; its logits are not needed
+
+    while True:
+        # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.
+        room = min(max_new_tokens - len(output), limit - len(context))
+        k = schedule.next_k(int(min(room - 1, 1 << 30))) if drafter is not None else 0
+        proposal = drafter.propose(context, k, params, generator) if k > 0 and drafter else EMPTY
+        proposed = len(proposal.tokens)
+        logits = target.forward([context[-1], *proposal.tokens], cache)  # [k+1, V]
+        verdict = _verify(proposal.tokens, proposal.probs, logits, params, rule, generator)
+        crop_to(cache, len(context) + verdict.num_accepted)
+        counters.record(proposed, verdict)
+        schedule.observe(proposed, verdict.num_accepted)
+        if drafter is not None:
+            drafter.observe(proposed, verdict.num_accepted)
+        if rule is not None and max_divergence is not None and counters.divergence > max_divergence:
+            rule = None
+            counters.fell_back_to_lossless = True
+
+        new = [*proposal.tokens[: verdict.num_accepted], verdict.next_token]
+        finish: str | None = None
+        for i, token in enumerate(new):
+            if token in eos:
+                new, finish = new[:i], "stop"
+                break
+        new = new[: max_new_tokens - len(output)]
+        output.extend(new)
+        context.extend(new)
+        if finish is None and stop_check is not None:
+            keep = stop_check(output)
+            if keep is not None:
+                del output[keep:]
+                finish = "stop"
+        if finish is None and (len(output) >= max_new_tokens or len(context) >= limit):
+            finish = "length"
+        if finish is not None:
+            yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
+            return
+        yield DecodeEvent(new, counters)
+
+
+def _verify(
+    tokens: list[int],
+    q: torch.Tensor | None,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    rule: RelaxedRule | None,
+    generator: torch.Generator,
+) -> Verdict:
+    draft = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    if params.greedy:
+        return verify_greedy(draft, logits, rule=rule, draft_probs=q, generator=generator)
+    p = logits_to_probs(logits, params)  # [k+1, V]
+    if q is None:  # deterministic proposal: q is one-hot on the proposed tokens
+        q = torch.zeros(len(tokens), p.shape[-1], device=p.device)
+        q[torch.arange(len(tokens), device=p.device), draft] = 1.0
+    if rule is None:
+        return verify_lossless(draft, q, p, generator)
+    return verify_relaxed(draft, q, p, rule, generator)

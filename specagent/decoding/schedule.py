@@ -1,0 +1,161 @@
+"""How many draft tokens to propose at each step.
+
+Fixed-k speculation wastes time twice: on prose where the draft is rarely right, and on hardware
+where verifying k + 1 tokens costs far more than verifying 1 (on a 2-core CPU, verifying 4 tokens
+costs twice as much as 3). ``AdaptiveSchedule`` picks, before every step, the k that maximises
+expected tokens per unit of cost:
+
+    E(k) = (1 - a^(k+1)) / (1 - a)          expected tokens emitted by one verification
+    C(k) = k * draft_cost + verify_cost(k+1) cost of drafting k and verifying k + 1 tokens
+
+with ``a`` the per-token acceptance estimated from the call so far (a decayed Beta posterior),
+and costs relative to one single-token target forward (``CostModel``). k = 0 is plain decoding;
+while it is chosen, a probe step every few steps keeps the estimate from freezing.
+
+The schedule is a deterministic function of what it observed, so a seeded call is reproducible for
+a given cost model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .cache import ModelRunner, crop_to
+
+__all__ = ["AdaptiveSchedule", "CostModel", "FixedSchedule", "Schedule", "measure_costs"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step costs relative to one target forward over a single new token."""
+
+    draft_step: float = 0.0
+    """Cost of one draft forward (one draft token)."""
+    verify: tuple[float, ...] = ()
+    """``verify[n - 1]``: cost of one target forward over n new tokens. Missing entries grow
+    linearly from the last known one (a pessimistic guess)."""
+
+    def verify_cost(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        if n <= len(self.verify):
+            return self.verify[n - 1]
+        if not self.verify:
+            return 1.0 + 0.1 * (n - 1)
+        last = self.verify[-1]
+        slope = (last - 1.0) / max(len(self.verify) - 1, 1) if len(self.verify) > 1 else 0.1
+        return last + max(slope, 0.05) * (n - len(self.verify))
+
+    def step_cost(self, k: int) -> float:
+        return k * self.draft_step + self.verify_cost(k + 1)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens per verification with per-token acceptance a and k draft tokens."""
+    a = min(max(acceptance, 0.0), 0.999999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+class Schedule:
+    """Interface: ``next_k(limit)`` before a step, ``observe(proposed, accepted)`` after it."""
+
+    def next_k(self, limit: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Learn from a step that proposed ``proposed`` tokens and accepted ``accepted``."""
+
+
+@dataclass
+class FixedSchedule(Schedule):
+    """Always k (capped by what the call still has room for)."""
+
+    k: int
+
+    def next_k(self, limit: int) -> int:
+        return max(0, min(self.k, limit))
+
+
+@dataclass
+class AdaptiveSchedule(Schedule):
+    """Cost-aware k from observed acceptance (see the module docstring)."""
+
+    max_k: int
+    costs: CostModel = field(default_factory=CostModel)
+    prior_acceptance: float = 0.6
+    prior_weight: float = 2.0
+    decay: float = 0.9
+    """Weight kept by old observations per step: acceptance drifts within a call (code vs prose)."""
+    probe_every: int = 8
+    _hits: float = field(init=False, default=0.0)
+    _trials: float = field(init=False, default=0.0)
+    _plain_steps: int = field(init=False, default=0)
+
+    @property
+    def acceptance(self) -> float:
+        hits = self._hits + self.prior_acceptance * self.prior_weight
+        return hits / (self._trials + self.prior_weight)
+
+    def best_k(self) -> int:
+        a = self.acceptance
+        best, best_rate = 0, 1.0 / self.costs.step_cost(0)
+        for k in range(1, self.max_k + 1):
+            rate = expected_tokens(a, k) / self.costs.step_cost(k)
+            if rate > best_rate * 1.0001:
+                best, best_rate = k, rate
+        return best
+
+    def next_k(self, limit: int) -> int:
+        k = self.best_k()
+        if k == 0:
+            self._plain_steps += 1
+            if self._plain_steps >= self.probe_every:
+                self._plain_steps = 0
+                k = 1
+        return max(0, min(k, limit))
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        self._hits = self._hits * self.decay + accepted
+        self._trials = self._trials * self.decay + accepted + (1 if accepted < proposed else 0)
+
+
+def measure_costs(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    max_tokens: int,
+    *,
+    context_tokens: int = 32,
+    repeats: int = 2,
+) -> CostModel:
+    """Measure the cost curve once: target forwards over 1..max_tokens new tokens, and one draft
+    step, relative to a single-token target forward (best of ``repeats`` after a warm-up).
+
+    Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
+    best k on a GPU. The runtime measures once and keeps the result, so seeded calls on one
+    runtime stay reproducible."""
+    vocab = target.vocab_size or 32
+    context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
+
+    def best_time(runner: ModelRunner, n: int) -> float:
+        cache = runner.new_cache()
+        runner.forward(context, cache, keep=1)
+        best = math.inf
+        for _ in range(repeats + 1):  # the first run warms up kernels and allocators
+            start = time.perf_counter()
+            logits = runner.forward([context[i % context_tokens] for i in range(n)], cache)
+            float(logits[-1, 0])  # synchronise with the device before reading the clock
+            best = min(best, time.perf_counter() - start)
+            crop_to(cache, context_tokens)
+        return best
+
+    unit = best_time(target, 1)
+    verify = [1.0]
+    for n in range(2, max_tokens + 1):
+        # A forward over more tokens never costs less; noise on tiny models can say otherwise.
+        verify.append(max(verify[-1], best_time(target, n) / unit))
+    draft_step = best_time(draft, 1) / unit if draft is not None else 0.0
+    return CostModel(draft_step=round(draft_step, 2), verify=tuple(round(v, 2) for v in verify))

@@ -1,0 +1,81 @@
+"""Every error specagent raises, in one tree.
+
+::
+
+    SpecAgentError
+    ├── PolicyError                 a policy file or object is invalid (names file, field, expectation)
+    │   └── PolicyNotFoundError     a call named a policy that does not exist (lists the known names)
+    ├── ModelLoadError              a model or tokenizer could not be loaded
+    │   └── IncompatibleDraftError  the draft model cannot speculate for this target (vocabulary)
+    ├── InvalidRequestError         a call's input is wrong (empty prompt, bad token ids, bad lengths)
+    │   └── ContextLengthError      the prompt does not fit the model's context window
+    ├── RuntimeClosedError          the runtime was closed while the call waited or ran
+    ├── RuntimeOverloadedError      the admission queue is full; retry later
+    └── GenerationError             the worker failed while decoding this call (cause chained)
+
+Errors about bad input also derive from :class:`ValueError` so that generic callers catching
+``ValueError`` keep working; ``PolicyNotFoundError`` is also a :class:`LookupError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "ContextLengthError",
+    "GenerationError",
+    "IncompatibleDraftError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "PolicyError",
+    "PolicyNotFoundError",
+    "RuntimeClosedError",
+    "RuntimeOverloadedError",
+    "SpecAgentError",
+]
+
+
+class SpecAgentError(Exception):
+    """Base of every error raised by specagent."""
+
+
+class PolicyError(SpecAgentError, ValueError):
+    """A policy is invalid. The message names the file, the field and what was expected."""
+
+
+class PolicyNotFoundError(PolicyError, LookupError):
+    """A call named a policy that is not loaded."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        msg = f"no policy named {name!r}; known policies: {', '.join(self.known) or '(none)'}"
+        super().__init__(msg)
+
+
+class ModelLoadError(SpecAgentError):
+    """A model or tokenizer could not be loaded or prepared."""
+
+
+class IncompatibleDraftError(ModelLoadError, ValueError):
+    """The draft model does not share the target's vocabulary, so its tokens mean other things."""
+
+
+class InvalidRequestError(SpecAgentError, ValueError):
+    """The call's input is wrong; nothing was run."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt (plus what must be generated) does not fit the model's context window."""
+
+
+class RuntimeClosedError(SpecAgentError, RuntimeError):
+    """The runtime was closed before the call could finish."""
+
+
+class RuntimeOverloadedError(SpecAgentError, RuntimeError):
+    """Too many calls are waiting; the call was refused rather than queued without bound."""
+
+
+class GenerationError(SpecAgentError, RuntimeError):
+    """Decoding failed for this call inside the worker; the cause is chained."""

@@ -1,0 +1,158 @@
+"""The policy schema: one YAML file per use case, validated strictly.
+
+Every model forbids unknown keys; relaxed acceptance blocks are a tagged union on ``rule`` so a
+parameter of another rule is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from ..decoding.acceptance import LenienceRule, RelaxedRule, TopKRule, TypicalRule
+
+__all__ = [
+    "AcceptanceConfig",
+    "DrafterConfig",
+    "LenienceAcceptance",
+    "MatchConfig",
+    "Policy",
+    "SamplingConfig",
+    "TelemetryConfig",
+    "TopKAcceptance",
+    "TypicalAcceptance",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DrafterConfig(_Strict):
+    """Which drafter proposes tokens, and how many per step."""
+
+    kind: Literal["draft_model", "prompt_lookup", "early_exit", "none"] = "draft_model"
+    """``draft_model`` needs a draft model in the runtime; ``none`` is plain decoding."""
+    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    """k: the most draft tokens proposed per step."""
+    adaptive: bool = True
+    """Pick k per step from observed acceptance and measured step costs (k = 0: plain decoding)."""
+    early_exit_layers: int | None = Field(default=None, ge=1)
+    """For ``early_exit``: decoder layers the drafter runs (default: three quarters of them)."""
+    min_ngram: int = Field(default=1, ge=1, le=16)
+    """For ``prompt_lookup``: shortest n-gram to match."""
+    max_ngram: int = Field(default=3, ge=1, le=16)
+    """For ``prompt_lookup``: longest n-gram to match (tried first)."""
+
+    @model_validator(mode="after")
+    def _ngrams(self) -> DrafterConfig:
+        if self.min_ngram > self.max_ngram:
+            msg = f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
+            raise ValueError(msg)
+        if self.early_exit_layers is not None and self.kind != "early_exit":
+            raise ValueError("early_exit_layers applies only to kind: early_exit")
+        return self
+
+
+class _AcceptanceBase(_Strict):
+    max_divergence: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Budget on the call's running mean TV divergence; past it the call continues losslessly."""
+
+
+class TypicalAcceptance(_AcceptanceBase):
+    """Accept x if ``p(x) > min(epsilon, delta * exp(-H(p)))`` (Medusa's typical acceptance)."""
+
+    rule: Literal["typical"]
+    epsilon: float = Field(default=0.3, gt=0.0, le=1.0)
+    delta: float = Field(default=0.09, gt=0.0, le=1.0)
+
+    def build(self) -> RelaxedRule:
+        return TypicalRule(epsilon=self.epsilon, delta=self.delta)
+
+
+class TopKAcceptance(_AcceptanceBase):
+    """Accept x if it is in the target's top-k and ``p(x) >= ratio * max p``."""
+
+    rule: Literal["top_k"]
+    top_k: int = Field(default=2, ge=1, le=100)
+    ratio: float = Field(default=0.5, gt=0.0, le=1.0)
+
+    def build(self) -> RelaxedRule:
+        return TopKRule(top_k=self.top_k, ratio=self.ratio)
+
+
+class LenienceAcceptance(_AcceptanceBase):
+    """Accept x with ``min(1, p(x) / (lenience * q(x)))``; 1.0 would be lossless."""
+
+    rule: Literal["lenience"]
+    lenience: float = Field(default=0.5, gt=0.0, le=1.0)
+
+    def build(self) -> RelaxedRule:
+        return LenienceRule(lenience=self.lenience)
+
+
+AcceptanceConfig = Annotated[
+    TypicalAcceptance | TopKAcceptance | LenienceAcceptance, Field(discriminator="rule")
+]
+
+
+class SamplingConfig(_Strict):
+    """Sampling defaults of the policy; a call may override them (never the mode)."""
+
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
+    """0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    max_new_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    stop: tuple[str, ...] = ()
+    """Stop strings; generation ends before them and they are not emitted."""
+    seed: int | None = None
+    """Default seed; None draws a fresh one per call."""
+
+
+class TelemetryConfig(_Strict):
+    record_content: bool = False
+    """Record prompt and output text on spans (GenAI opt-in attributes). Off for sensitive data."""
+
+
+class MatchConfig(_Strict):
+    tags: tuple[str, ...] = ()
+    """A call whose tags overlap these is routed to this policy when it names none."""
+
+
+class Policy(_Strict):
+    """One use case's decoding policy."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    """Unique; the file is ``<name>.yaml``."""
+    description: str = Field(min_length=1)
+    """What the policy is for and why it has its mode."""
+    mode: Literal["lossless", "relaxed"]
+    drafter: DrafterConfig = DrafterConfig()
+    acceptance: AcceptanceConfig | None = Field(default=None, validate_default=True)
+    """Required in relaxed mode; an error in lossless mode."""
+    sampling: SamplingConfig = SamplingConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    match: MatchConfig = MatchConfig()
+
+    @field_validator("acceptance", mode="after")
+    @classmethod
+    def _acceptance_fits_mode(
+        cls, acceptance: AcceptanceConfig | None, info: ValidationInfo
+    ) -> AcceptanceConfig | None:
+        mode = info.data.get("mode")
+        if mode == "lossless" and acceptance is not None:
+            msg = "a lossless policy must not have an acceptance block (relaxed mode only)"
+            raise ValueError(msg)
+        if mode == "relaxed":
+            if acceptance is None:
+                raise ValueError("a relaxed policy needs an acceptance block with a rule")
+            drafter = info.data.get("drafter")
+            if drafter is not None and drafter.kind == "none":
+                raise ValueError("a relaxed policy needs a drafter, but drafter.kind is none")
+        return acceptance
+
+    def relaxed_rule(self) -> RelaxedRule | None:
+        """The rule to verify with, or None for lossless."""
+        return self.acceptance.build() if self.acceptance is not None else None

@@ -1,0 +1,79 @@
+"""What a call returns: ``GenerationResult``, ``StreamChunk``, ``SpecStats`` and ``Usage``.
+
+``SpecStats`` names follow vLLM's spec-decode metrics so dashboards read the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["GenerationResult", "SpecStats", "StreamChunk", "Usage"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """How speculation went for one call."""
+
+    policy: str
+    mode: Literal["lossless", "relaxed"]
+    drafter: str
+    """``draft_model``, ``prompt_lookup``, ``early_exit`` or ``none``."""
+    num_drafts: int
+    """Verification steps that checked at least one draft token."""
+    num_draft_tokens: int
+    """Draft tokens proposed."""
+    num_accepted_tokens: int
+    """Draft tokens accepted."""
+    acceptance_rate: float
+    """``num_accepted_tokens / num_draft_tokens`` (0 when nothing was drafted)."""
+    mean_acceptance_length: float
+    """Tokens emitted per target forward (1.0 is plain decoding)."""
+    accepted_per_position: list[int]
+    """How often the i-th draft token of a step was accepted."""
+    ttft_s: float
+    """Time from the call to its first token, queueing included."""
+    latency_s: float
+    tokens_per_s: float
+    """Output tokens per second of the whole call."""
+    divergence: float | None = None
+    """Relaxed calls: mean TV distance from the target's distribution per emitted token."""
+    fell_back_to_lossless: bool = False
+    """Relaxed calls: the divergence budget was exceeded and the rest ran losslessly."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    stats: SpecStats
+    seed: int
+    """The seed the call drew from: pass it again to reproduce the tokens."""
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A piece of a streamed call. The last chunk has ``finish_reason`` and ``result`` set."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    result: GenerationResult | None = None

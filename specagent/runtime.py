@@ -1,0 +1,739 @@
+"""``SpecRuntime``: the async front door that many concurrent callers share.
+
+One worker thread owns the models. Callers never touch them: a call is validated in the caller's
+task (bad input fails at once, before any work), queued, and then advanced one decoding step at a
+time by the worker, round-robin with the other active calls, so a long call does not hold short
+ones back. Token chunks flow back to the caller through a per-call sink that wakes the caller's
+event loop without blocking the worker. A cancelled caller flags its call; the worker drops it
+(and its KV caches) before the next step.
+
+``generate`` and ``stream`` are the one async core; ``generate_sync`` and ``stream_sync`` drive
+that same core from synchronous code.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import sniffio
+import torch
+from anyio.from_thread import start_blocking_portal
+from opentelemetry import context as otel_context
+from pydantic import ValidationError
+
+from .chat import Prompt, render_prompt
+from .decoding.cache import ModelRunner, early_exit_view
+from .decoding.drafters import DraftModelDrafter, Drafter, EarlyExitDrafter, PromptLookupDrafter
+from .decoding.loop import DecodeCounters, DecodeEvent, speculative_generate
+from .decoding.sampling import SamplingParams, make_generator
+from .decoding.schedule import AdaptiveSchedule, CostModel, FixedSchedule, Schedule, measure_costs
+from .decoding.stopping import StopStrings
+from .errors import (
+    ContextLengthError,
+    GenerationError,
+    InvalidRequestError,
+    PolicyError,
+    RuntimeClosedError,
+    RuntimeOverloadedError,
+    SpecAgentError,
+)
+from .models import (
+    check_draft_compatible,
+    context_window,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    model_vocab_size,
+    resolve_device,
+    resolve_dtype,
+)
+from .policy import Policy, PolicySet, default_policy, load_policies
+from .policy.loader import format_validation_error
+from .policy.schema import SamplingConfig
+from .results import GenerationResult, SpecStats, StreamChunk, Usage
+from .telemetry import CallSpan, Telemetry
+
+__all__ = ["SpecRuntime"]
+
+PoliciesArg = str | Path | PolicySet | Sequence[Policy] | None
+
+
+# --------------------------------------------------------------------------- requests and sinks
+
+
+@dataclass
+class _Request:
+    """A validated call, ready for the worker."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    policy: Policy
+    params: SamplingParams
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    seed: int
+    explicit_max_tokens: bool
+
+
+class _Sink:
+    """Where the worker puts a call's events. ``put`` never blocks the worker."""
+
+    def put(self, item: tuple[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class _AsyncSink(_Sink):
+    """Events for a caller on an anyio event loop (asyncio or trio), woken thread-safely."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, Any]] = collections.deque()
+        self._event = anyio.Event()
+        self._wake = _loop_waker()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self._items.append(item)
+        self._wake(self._set)
+
+    def _set(self) -> None:
+        self._event.set()
+
+    async def get(self) -> tuple[str, Any]:
+        while not self._items:
+            await self._event.wait()
+            self._event = anyio.Event()
+        return self._items.popleft()
+
+
+def _loop_waker() -> Callable[[Callable[[], None]], None]:
+    """A function that schedules a callback on the current event loop from any thread."""
+    library = sniffio.current_async_library()
+    if library == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def wake_trio(callback: Callable[[], None]) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(callback)
+
+        return wake_trio
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def wake_asyncio(callback: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone; nobody listens
+            loop.call_soon_threadsafe(callback)
+
+    return wake_asyncio
+
+
+@dataclass
+class _Job:
+    request: _Request
+    sink: _Sink
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    steps: Iterator[DecodeEvent] | None = None
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class _Worker:
+    """The one thread that runs the models. Steps every active call in turn."""
+
+    def __init__(self, runtime: SpecRuntime) -> None:
+        self.runtime = runtime
+        self.inbox: collections.deque[_Job] = collections.deque()
+        self.active: list[_Job] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.drain = True
+        self.thread = threading.Thread(target=self._run, name="specagent-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _Job) -> None:
+        with self.cond:
+            if self.stopping:
+                raise RuntimeClosedError("the runtime is shutting down; the call was not started")
+            if len(self.inbox) >= self.runtime.max_queue:
+                msg = (
+                    f"runtime overloaded: {len(self.active)} calls running and {len(self.inbox)} "
+                    f"waiting (max_queue={self.runtime.max_queue}); retry later"
+                )
+                raise RuntimeOverloadedError(msg)
+            self.inbox.append(job)
+            self.cond.notify()
+
+    def stop(self, drain: bool) -> None:
+        with self.cond:
+            self.stopping = True
+            self.drain = drain
+            self.cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while not self.inbox and not self.active and not self.stopping:
+                        self.cond.wait()
+                    if self.stopping and not self.drain:
+                        self._fail_all(RuntimeClosedError("the runtime was closed"))
+                        return
+                    if self.stopping and not self.inbox and not self.active:
+                        return
+                    starting = []
+                    while self.inbox and len(self.active) + len(starting) < self.runtime.max_active:
+                        starting.append(self.inbox.popleft())
+                for job in starting:
+                    self._start(job)
+                for job in list(self.active):
+                    self._step(job)
+        except BaseException as exc:  # a bug in the worker itself: fail everyone, say why
+            self._fail_all(GenerationError(f"the runtime worker stopped: {exc!r}"))
+            raise
+
+    def _fail_all(self, exc: SpecAgentError) -> None:
+        with self.cond:
+            jobs = [*self.active, *self.inbox]
+            self.active.clear()
+            self.inbox.clear()
+        for job in jobs:
+            job.steps = None
+            job.sink.put(("error", exc))
+
+    def _start(self, job: _Job) -> None:
+        if job.cancelled.is_set():
+            return
+        try:
+            job.steps = self.runtime._decode(job.request)
+            self.active.append(job)
+        except Exception as exc:
+            job.sink.put(("error", _as_generation_error(exc)))
+
+    def _step(self, job: _Job) -> None:
+        if job.cancelled.is_set():
+            self._finish(job)
+            return
+        assert job.steps is not None
+        try:
+            event = next(job.steps)
+        except Exception as exc:
+            self._finish(job)
+            _release_device_memory(exc)
+            job.sink.put(("error", _as_generation_error(exc)))
+            return
+        if event.finish_reason is not None:
+            self._finish(job)
+            job.sink.put(("done", event))
+        else:
+            job.sink.put(("tokens", event))
+
+    def _finish(self, job: _Job) -> None:
+        if job.steps is not None:
+            close = getattr(job.steps, "close", None)
+            if close is not None:
+                close()
+            job.steps = None
+        with contextlib.suppress(ValueError):
+            self.active.remove(job)
+
+
+def _as_generation_error(exc: Exception) -> SpecAgentError:
+    if isinstance(exc, SpecAgentError):
+        return exc
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        error = GenerationError(f"out of device memory while decoding this call: {exc}")
+    else:
+        error = GenerationError(f"decoding failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def _release_device_memory(exc: Exception) -> None:
+    if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- assembling results
+
+
+class _CallAssembler:
+    """Turns a call's decode events into text chunks and the final result (caller side)."""
+
+    def __init__(self, runtime: SpecRuntime, request: _Request, started: float) -> None:
+        self.runtime = runtime
+        self.request = request
+        self.started = started
+        self.first_token_at: float | None = None
+        self.token_ids: list[int] = []
+        self.emitted = 0
+        self.stops = StopStrings(request.stop, runtime._decode_text) if request.stop else None
+
+    def chunk(self, event: DecodeEvent) -> StreamChunk | None:
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.token_ids.extend(event.token_ids)
+        if event.finish_reason is not None:
+            return None
+        text = self.runtime._decode_text(self.token_ids)
+        safe = self.stops.safe_length(text) if self.stops else len(text)
+        while safe > self.emitted and text[safe - 1] == "\ufffd":  # incomplete character
+            safe -= 1
+        if safe <= self.emitted:
+            return StreamChunk(text="", token_ids=list(event.token_ids)) if event.token_ids else None
+        delta, self.emitted = text[self.emitted : safe], safe
+        return StreamChunk(text=delta, token_ids=list(event.token_ids))
+
+    def finish(self, event: DecodeEvent) -> tuple[StreamChunk, GenerationResult]:
+        self.chunk(event)
+        now = time.perf_counter()
+        output_ids = event.output_ids if event.output_ids is not None else self.token_ids
+        text = self.runtime._decode_text(self.token_ids)
+        cut = self.stops.find(text) if self.stops else None
+        text = text[:cut] if cut is not None else self.runtime._decode_text(output_ids)
+        result = GenerationResult(
+            text=text,
+            token_ids=list(output_ids),
+            finish_reason=event.finish_reason,  # type: ignore[arg-type]
+            usage=Usage(input_tokens=len(self.request.prompt_ids), output_tokens=len(output_ids)),
+            stats=self._stats(event.counters, now, len(output_ids)),
+            seed=self.request.seed,
+            prompt_token_ids=self.request.prompt_ids,
+        )
+        last = StreamChunk(
+            text=text[self.emitted :] if len(text) > self.emitted else "",
+            token_ids=[],
+            finish_reason=result.finish_reason,
+            result=result,
+        )
+        return last, result
+
+    def _stats(self, counters: DecodeCounters, now: float, output_tokens: int) -> SpecStats:
+        policy = self.request.policy
+        latency = now - self.started
+        ttft = (self.first_token_at or now) - self.started
+        relaxed = policy.mode == "relaxed"
+        return SpecStats(
+            policy=policy.name,
+            mode=policy.mode,
+            drafter=policy.drafter.kind,
+            num_drafts=counters.num_drafts,
+            num_draft_tokens=counters.num_draft_tokens,
+            num_accepted_tokens=counters.num_accepted_tokens,
+            acceptance_rate=counters.acceptance_rate,
+            mean_acceptance_length=counters.mean_acceptance_length,
+            accepted_per_position=list(counters.accepted_per_position),
+            ttft_s=ttft,
+            latency_s=latency,
+            tokens_per_s=output_tokens / latency if latency > 0 else 0.0,
+            divergence=counters.divergence if relaxed else None,
+            fell_back_to_lossless=counters.fell_back_to_lossless,
+        )
+
+
+# --------------------------------------------------------------------------- the runtime
+
+
+class SpecRuntime:
+    """Speculative decoding on a local model, shared by many concurrent callers.
+
+    Build it from models in memory (``SpecRuntime(target=..., draft=..., tokenizer=...)``) or with
+    ``SpecRuntime.from_pretrained(...)``. Use it as ``async with runtime:`` (or call ``aclose``);
+    the worker starts on first use and a closed runtime starts a fresh worker when used again.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module | None = None,
+        tokenizer: Any | None = None,
+        policies: PoliciesArg = None,
+        device: str | torch.device | None = None,
+        *,
+        draft_tokenizer: Any | None = None,
+        model_name: str | None = None,
+        max_active: int = 64,
+        max_queue: int = 256,
+        tracer_provider: Any | None = None,
+        meter_provider: Any | None = None,
+    ) -> None:
+        if max_active < 1 or max_queue < 0:
+            raise ValueError("max_active must be >= 1 and max_queue >= 0")
+        self.device = resolve_device(device) if device is not None else _model_device(target)
+        self.target = target.to(self.device).eval()
+        self.draft = draft.to(self.device).eval() if draft is not None else None
+        self.tokenizer = tokenizer
+        if self.draft is not None:
+            check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)  # type: ignore[arg-type]
+        self.vocab_size = model_vocab_size(self.target)  # type: ignore[arg-type]
+        self.context_window = context_window(self.target)  # type: ignore[arg-type]
+        self.eos_token_ids = eos_token_ids(self.target, tokenizer)  # type: ignore[arg-type]
+        self.model_name = model_name or _model_name(self.target)
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.policies = _coerce_policies(policies).with_default(default_policy(draft is not None))
+        self._check_policies_fit_models()
+        self._target_runner = ModelRunner(self.target)  # type: ignore[arg-type]
+        self._draft_runner = (
+            ModelRunner(self.draft, vocab_size=self.vocab_size) if self.draft is not None else None  # type: ignore[arg-type]
+        )
+        self._early_exit_runners: dict[int, ModelRunner] = {}
+        self._costs: dict[tuple[str, int], CostModel] = {}
+        self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
+        self._worker: _Worker | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str | None = None,
+        policies: PoliciesArg = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        *,
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> SpecRuntime:
+        """Load target (and draft) from local paths or hub ids; the tokenizer is the target's."""
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+        target_model = load_model(target, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+        draft_model = draft_tokenizer = None
+        if draft is not None:
+            draft_tokenizer = load_tokenizer(draft, trust_remote_code=trust_remote_code)
+            draft_model = load_model(draft, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+        return cls(
+            target=target_model,
+            draft=draft_model,
+            tokenizer=tokenizer,
+            policies=policies,
+            device=dev,
+            draft_tokenizer=draft_tokenizer,
+            model_name=kwargs.pop("model_name", None) or Path(str(target)).name,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> SpecRuntime:
+        self._ensure_worker()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> SpecRuntime:
+        self._ensure_worker()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def aclose(self, drain: bool = True) -> None:
+        """Stop the worker: ``drain=True`` lets running and queued calls finish; ``False`` fails
+        them with ``RuntimeClosedError``. The runtime can be used again afterwards."""
+        await anyio.to_thread.run_sync(self.close, drain)
+
+    def close(self, drain: bool = True) -> None:
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop(drain)
+            worker.thread.join()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _ensure_worker(self) -> _Worker:
+        with self._lock:
+            if self._worker is None or not self._worker.thread.is_alive() or self._worker.stopping:
+                self._worker = _Worker(self)
+            return self._worker
+
+    # ------------------------------------------------------------------ the async core
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        *,
+        policy: str | None = None,
+        tags: Sequence[str] = (),
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        parent_context: otel_context.Context | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Stream a call: text chunks as tokens are accepted; the last chunk has the result."""
+        request = self._request(prompt, policy, tags, max_new_tokens, temperature, top_p, top_k,
+                                stop, seed)
+        call = self._start_span(request, parent_context)
+        sink = _AsyncSink()
+        job = _Job(request, sink)
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
+                self._ensure_worker().submit(job)
+                assembler = _CallAssembler(self, request, time.perf_counter())
+                while True:
+                    kind, payload = await sink.get()
+                    if kind == "error":
+                        raise payload
+                    if kind == "done":
+                        last, result = assembler.finish(payload)
+                        self._telemetry.end_call(call, result)
+                        yield last
+                        return
+                    chunk = assembler.chunk(payload)
+                    if chunk is not None:
+                        yield chunk
+        except BaseException as exc:
+            self._telemetry.fail_call(call, exc)
+            raise
+        finally:
+            job.cancelled.set()
+            self._telemetry.fail_call(call, GeneratorExit("stream closed before it finished"))
+
+    async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Run a call to the end. Keywords as ``stream``."""
+        stream = self.stream(prompt, **kwargs)
+        try:
+            async for chunk in stream:
+                if chunk.result is not None:
+                    return chunk.result
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise GenerationError("the call ended without a result")  # pragma: no cover
+
+    # ------------------------------------------------------------------ the sync front door
+
+    def generate_sync(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Blocking ``generate`` for synchronous code (not from inside a running event loop)."""
+        _refuse_inside_event_loop("generate_sync", "generate")
+        kwargs.setdefault("parent_context", otel_context.get_current())
+        return anyio.run(_call_generate, self, prompt, kwargs)
+
+    def stream_sync(self, prompt: Prompt, **kwargs: Any) -> Iterator[StreamChunk]:
+        """Blocking ``stream`` for synchronous code: yields chunks as they arrive."""
+        _refuse_inside_event_loop("stream_sync", "stream")
+        kwargs.setdefault("parent_context", otel_context.get_current())
+        with start_blocking_portal() as portal:
+            agen = self.stream(prompt, **kwargs)
+            try:
+                while True:
+                    try:
+                        chunk = portal.call(agen.__anext__)
+                    except StopAsyncIteration:
+                        return
+                    yield chunk
+            finally:
+                portal.call(agen.aclose)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ internals
+
+    def _request(
+        self,
+        prompt: Prompt,
+        policy_name: str | None,
+        tags: Sequence[str],
+        max_new_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        stop: Sequence[str] | None,
+        seed: int | None,
+    ) -> _Request:
+        if isinstance(tags, str):
+            tags = (tags,)
+        policy = self.policies.resolve(policy_name, tags)
+        overrides = {
+            key: value
+            for key, value in {
+                "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "top_k": top_k, "stop": tuple(stop) if stop is not None else None, "seed": seed,
+            }.items()
+            if value is not None
+        }
+        if isinstance(stop, str):
+            overrides["stop"] = (stop,)
+        try:
+            sampling = SamplingConfig.model_validate({**policy.sampling.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise InvalidRequestError(f"invalid call parameters: {format_validation_error(exc)}") from exc
+        if any(not s for s in sampling.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+        prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size)
+        budget = sampling.max_new_tokens
+        if self.context_window is not None:
+            room = self.context_window - len(prompt_ids)
+            if room < 1:
+                msg = (
+                    f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
+                    f"{self.context_window}, leaving no room to generate"
+                )
+                raise ContextLengthError(msg)
+            if "max_new_tokens" in overrides and budget > room:
+                msg = (
+                    f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({budget}) exceeds the "
+                    f"context window ({self.context_window}); at most {room} new tokens fit"
+                )
+                raise ContextLengthError(msg)
+            budget = min(budget, room)
+        params = SamplingParams(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+        )
+        call_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        return _Request(
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            policy=policy,
+            params=params,
+            max_new_tokens=budget,
+            stop=sampling.stop,
+            seed=call_seed,
+            explicit_max_tokens="max_new_tokens" in overrides,
+        )
+
+    def _start_span(self, request: _Request, parent: otel_context.Context | None) -> CallSpan:
+        policy = request.policy
+        return self._telemetry.start_call(
+            policy=policy.name,
+            mode=policy.mode,
+            drafter=policy.drafter.kind,
+            temperature=request.params.temperature,
+            top_p=request.params.top_p,
+            max_tokens=request.max_new_tokens,
+            seed=request.seed,
+            record_content=policy.telemetry.record_content,
+            prompt=request.prompt,
+            parent=parent,
+        )
+
+    def _decode(self, request: _Request) -> Iterator[DecodeEvent]:
+        """Worker side: the decoding generator for one call."""
+        policy = request.policy
+        drafter, schedule = self._drafter_for(policy)
+        acceptance = policy.acceptance
+        stop_check = (
+            StopStrings(request.stop, self._decode_text).tokens_to_keep if request.stop else None
+        )
+        return speculative_generate(
+            self._target_runner,
+            request.prompt_ids,
+            params=request.params,
+            generator=make_generator(request.seed, self.device),
+            max_new_tokens=request.max_new_tokens,
+            drafter=drafter,
+            schedule=schedule,
+            rule=policy.relaxed_rule(),
+            max_divergence=acceptance.max_divergence if acceptance is not None else None,
+            eos_token_ids=self.eos_token_ids,
+            stop_check=stop_check,
+            max_context=self.context_window,
+        )
+
+    def _drafter_for(self, policy: Policy) -> tuple[Drafter | None, Schedule]:
+        config = policy.drafter
+        k = config.num_speculative_tokens
+        drafter: Drafter | None
+        runner: ModelRunner | None = None
+        if config.kind == "none":
+            return None, FixedSchedule(0)
+        if config.kind == "prompt_lookup":
+            drafter = PromptLookupDrafter(max_ngram=config.max_ngram, min_ngram=config.min_ngram)
+        elif config.kind == "draft_model":
+            assert self._draft_runner is not None  # checked when the policies were loaded
+            runner = self._draft_runner
+            drafter = DraftModelDrafter(runner)
+        else:
+            runner = self._early_exit_runner(self._early_exit_layers(policy))
+            drafter = EarlyExitDrafter(runner)
+        if not config.adaptive:
+            return drafter, FixedSchedule(k)
+        key = (f"{config.kind}:{id(runner)}", k)
+        if key not in self._costs:
+            self._costs[key] = measure_costs(self._target_runner, runner, k + 1)
+        return drafter, AdaptiveSchedule(max_k=k, costs=self._costs[key])
+
+    def _early_exit_layers(self, policy: Policy) -> int:
+        total = int(getattr(self.target.config, "num_hidden_layers", 0))
+        return policy.drafter.early_exit_layers or max(1, (3 * total) // 4)
+
+    def _early_exit_runner(self, layers: int) -> ModelRunner:
+        if layers not in self._early_exit_runners:
+            view = early_exit_view(self.target, layers)  # type: ignore[arg-type]
+            self._early_exit_runners[layers] = ModelRunner(view, vocab_size=self.vocab_size)
+        return self._early_exit_runners[layers]
+
+    def _check_policies_fit_models(self) -> None:
+        total = int(getattr(self.target.config, "num_hidden_layers", 0))
+        for policy in self.policies:
+            kind = policy.drafter.kind
+            if kind == "draft_model" and self.draft is None:
+                msg = (
+                    f"policy {policy.name!r}: field 'drafter.kind': draft_model needs a draft model, "
+                    "but this runtime has none (pass draft=..., or use prompt_lookup / early_exit)"
+                )
+                raise PolicyError(msg)
+            if kind == "early_exit":
+                layers = self._early_exit_layers(policy)
+                if not 1 <= layers < total:
+                    msg = (
+                        f"policy {policy.name!r}: field 'drafter.early_exit_layers': expected "
+                        f"1..{total - 1} for this {total}-layer target, got {layers}"
+                    )
+                    raise PolicyError(msg)
+
+    def _decode_text(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+async def _call_generate(runtime: SpecRuntime, prompt: Prompt, kwargs: Mapping[str, Any]) -> GenerationResult:
+    return await runtime.generate(prompt, **kwargs)
+
+
+def _refuse_inside_event_loop(name: str, async_name: str) -> None:
+    try:
+        sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:
+        return
+    msg = f"{name}() blocks; inside async code use `await runtime.{async_name}(...)` instead"
+    raise RuntimeError(msg)
+
+
+def _coerce_policies(policies: PoliciesArg) -> PolicySet:
+    if policies is None:
+        return PolicySet()
+    if isinstance(policies, PolicySet):
+        return policies
+    if isinstance(policies, (str, Path)):
+        return load_policies(policies)
+    return PolicySet(policies)
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
+    return Path(str(name)).name or type(model).__name__

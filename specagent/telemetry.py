@@ -1,0 +1,213 @@
+"""OpenTelemetry: one span per call and GenAI metrics, with speculation's acceptance.
+
+Follows the OpenTelemetry GenAI semantic conventions (span ``chat {model}``, ``gen_ai.*``
+attributes, the client/server metrics with their bucket advice) and adds ``specagent.*``
+attributes for what speculative decoding did.
+
+The library only uses the OpenTelemetry *API*: it installs no provider. With no SDK configured
+the tracer and meter are no-ops and this module skips building attributes (``is_recording``).
+Spans are started in the caller's task, so they nest under the caller's current span (an agent's
+or a LangChain run's); the sync front door passes the caller's context along explicitly.
+Prompt and output text are recorded only when the call's policy says ``record_content: true``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from ._version import __version__
+from .results import GenerationResult
+
+__all__ = ["CallSpan", "Telemetry"]
+
+PROVIDER = "specagent"
+
+# Bucket advice from the GenAI metrics conventions.
+_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                     40.96, 81.92]
+_TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
+                  16777216, 67108864]
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0]
+_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+_RATE_BUCKETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+_LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
+_DIVERGENCE_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
+
+
+@dataclass
+class CallSpan:
+    """A call in flight: its span, the context to restore, and what the metrics need."""
+
+    span: trace.Span
+    started: float
+    attributes: dict[str, Any]
+    record_content: bool
+    ended: bool = field(default=False)
+
+
+class Telemetry:
+    """Spans and metrics for a runtime. ``tracer_provider`` / ``meter_provider`` default to the
+    global ones (set by the application, never by specagent)."""
+
+    def __init__(
+        self,
+        model_name: str,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.tracer = trace.get_tracer("specagent", __version__, tracer_provider=tracer_provider)
+        meter = metrics.get_meter("specagent", __version__, meter_provider=meter_provider)
+        self.duration = meter.create_histogram(
+            "gen_ai.client.operation.duration", unit="s",
+            description="GenAI operation duration",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
+        self.token_usage = meter.create_histogram(
+            "gen_ai.client.token.usage", unit="{token}",
+            description="Number of input and output tokens used",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS)
+        self.ttft = meter.create_histogram(
+            "gen_ai.server.time_to_first_token", unit="s",
+            description="Time to generate the first token",
+            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS)
+        self.tpot = meter.create_histogram(
+            "gen_ai.server.time_per_output_token", unit="s",
+            description="Time per output token after the first",
+            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS)
+        self.acceptance = meter.create_histogram(
+            "specagent.spec_decode.acceptance_rate", unit="1",
+            description="Accepted / proposed draft tokens per call",
+            explicit_bucket_boundaries_advisory=_RATE_BUCKETS)
+        self.acceptance_length = meter.create_histogram(
+            "specagent.spec_decode.mean_acceptance_length", unit="{token}",
+            description="Tokens emitted per target forward, per call",
+            explicit_bucket_boundaries_advisory=_LENGTH_BUCKETS)
+        self.divergence = meter.create_histogram(
+            "specagent.divergence", unit="1",
+            description="Mean TV distance from the target distribution per token (relaxed calls)",
+            explicit_bucket_boundaries_advisory=_DIVERGENCE_BUCKETS)
+
+    def start_call(
+        self,
+        *,
+        policy: str,
+        mode: str,
+        drafter: str,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int,
+        record_content: bool,
+        prompt: Any = None,
+        parent: otel_context.Context | None = None,
+    ) -> CallSpan:
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": PROVIDER,
+            "gen_ai.request.model": self.model_name,
+            "specagent.policy": policy,
+            "specagent.mode": mode,
+        }
+        span = self.tracer.start_span(
+            f"chat {self.model_name}", kind=SpanKind.INTERNAL, context=parent,
+            attributes=attributes,
+        )
+        if span.is_recording():
+            span.set_attributes({
+                "gen_ai.request.temperature": temperature,
+                "gen_ai.request.top_p": top_p,
+                "gen_ai.request.max_tokens": max_tokens,
+                "gen_ai.request.seed": seed,
+                "specagent.drafter": drafter,
+            })
+            if record_content and prompt is not None:
+                span.set_attribute("gen_ai.input.messages", _input_messages(prompt))
+        return CallSpan(span, time.perf_counter(), attributes, record_content)
+
+    def end_call(self, call: CallSpan, result: GenerationResult) -> None:
+        if call.ended:
+            return
+        call.ended = True
+        stats, usage = result.stats, result.usage
+        span = call.span
+        if span.is_recording():
+            attrs: dict[str, Any] = {
+                "gen_ai.response.model": self.model_name,
+                "gen_ai.response.finish_reasons": [result.finish_reason],
+                "gen_ai.usage.input_tokens": usage.input_tokens,
+                "gen_ai.usage.output_tokens": usage.output_tokens,
+                "specagent.spec_decode.num_drafts": stats.num_drafts,
+                "specagent.spec_decode.num_draft_tokens": stats.num_draft_tokens,
+                "specagent.spec_decode.num_accepted_tokens": stats.num_accepted_tokens,
+                "specagent.spec_decode.acceptance_rate": stats.acceptance_rate,
+                "specagent.spec_decode.mean_acceptance_length": stats.mean_acceptance_length,
+                "specagent.spec_decode.accepted_per_position": list(stats.accepted_per_position),
+                "specagent.spec_decode.acceptance_rate_per_position": _per_position_rates(
+                    stats.accepted_per_position, stats.num_drafts),
+                "specagent.ttft_s": stats.ttft_s,
+                "specagent.tokens_per_s": stats.tokens_per_s,
+            }
+            if stats.divergence is not None:
+                attrs["specagent.divergence"] = stats.divergence
+                attrs["specagent.fell_back_to_lossless"] = stats.fell_back_to_lossless
+            if call.record_content:
+                attrs["gen_ai.output.messages"] = json.dumps([{
+                    "role": "assistant", "parts": [{"type": "text", "content": result.text}],
+                    "finish_reason": result.finish_reason}])
+            span.set_attributes(attrs)
+        span.end()
+        self._record_metrics(call, result)
+
+    def fail_call(self, call: CallSpan, exc: BaseException) -> None:
+        if call.ended:
+            return
+        call.ended = True
+        error_type = type(exc).__qualname__
+        if call.span.is_recording():
+            call.span.set_attribute("error.type", error_type)
+            call.span.set_status(Status(StatusCode.ERROR, str(exc) or error_type))
+        call.span.end()
+        attributes = {**call.attributes, "error.type": error_type}
+        self.duration.record(time.perf_counter() - call.started, attributes)
+
+    def _record_metrics(self, call: CallSpan, result: GenerationResult) -> None:
+        stats, usage, attrs = result.stats, result.usage, call.attributes
+        self.duration.record(stats.latency_s, attrs)
+        self.token_usage.record(usage.input_tokens, {**attrs, "gen_ai.token.type": "input"})
+        self.token_usage.record(usage.output_tokens, {**attrs, "gen_ai.token.type": "output"})
+        self.ttft.record(stats.ttft_s, attrs)
+        if usage.output_tokens > 1:
+            self.tpot.record((stats.latency_s - stats.ttft_s) / (usage.output_tokens - 1), attrs)
+        if stats.num_draft_tokens:
+            self.acceptance.record(stats.acceptance_rate, attrs)
+        if stats.mean_acceptance_length:
+            self.acceptance_length.record(stats.mean_acceptance_length, attrs)
+        if stats.divergence is not None:
+            self.divergence.record(stats.divergence, attrs)
+
+
+def _per_position_rates(accepted: Sequence[int], num_drafts: int) -> list[float]:
+    return [n / num_drafts for n in accepted] if num_drafts else []
+
+
+def _input_messages(prompt: Any) -> str:
+    """The prompt as the conventions' ``gen_ai.input.messages`` JSON."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]
+    elif prompt and isinstance(prompt[0], Mapping):
+        messages = [
+            {"role": m.get("role"), "parts": [{"type": "text", "content": m.get("content")}]}
+            for m in prompt
+        ]
+    else:
+        messages = [{"role": "user", "parts": [{"type": "token_ids", "content": list(prompt)}]}]
+    return json.dumps(messages, default=str)
