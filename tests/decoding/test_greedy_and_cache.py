@@ -1,0 +1,155 @@
+"""Greedy speculative decoding reproduces the target's own greedy decode, and the KV-cache
+rollback after rejections gives the same tokens as recomputing everything without a cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specagent.decoding.cache import ModelRunner, early_exit_view
+from specagent.decoding.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+from specagent.decoding.loop import speculative_generate
+from specagent.decoding.sampling import SamplingParams, make_generator
+from specagent.decoding.schedule import AdaptiveSchedule, CostModel, FixedSchedule
+
+PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "abcabcabc", "The quick brown fox"]
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(ids):].tolist()
+
+
+def run(target_runner, ids, drafter, k, params=SamplingParams(0.0), seed=0, n=40, schedule=None):
+    events = list(
+        speculative_generate(
+            target_runner, ids, params=params, generator=make_generator(seed),
+            max_new_tokens=n, drafter=drafter, schedule=schedule or FixedSchedule(k),
+        )
+    )
+    return events[-1]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_equals_target_greedy_for_each_drafter(target, draft, tokenizer, prompt, k) -> None:
+    ids = tokenizer.encode(prompt)
+    expected = hf_greedy(target, ids, 40)
+    drafters = [
+        DraftModelDrafter(ModelRunner(draft)),
+        PromptLookupDrafter(),
+        EarlyExitDrafter(ModelRunner(early_exit_view(target, 2))),
+    ]
+    for drafter in drafters:
+        last = run(ModelRunner(target), ids, drafter, k)
+        assert last.output_ids == expected, drafter.name
+
+
+def test_greedy_with_adaptive_k_equals_target_greedy(target, draft, tokenizer) -> None:
+    ids = tokenizer.encode(PROMPTS[0])
+    schedule = AdaptiveSchedule(max_k=5, costs=CostModel(draft_step=0.1, verify=(1.0, 1.05, 1.1)))
+    last = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 0, schedule=schedule)
+    assert last.output_ids == hf_greedy(target, ids, 40)
+    assert last.counters.num_drafts > 0
+
+
+def test_speculation_accepts_tokens_on_a_related_pair(target, draft, tokenizer) -> None:
+    """Not a correctness property but a sanity one: the perturbed draft agrees often enough
+    that the equality tests above exercise accepted prefixes and rollbacks alike."""
+    last = run(ModelRunner(target), tokenizer.encode(PROMPTS[1]), DraftModelDrafter(ModelRunner(draft)), 4)
+    assert 0.0 < last.counters.acceptance_rate < 1.0
+    assert last.counters.mean_acceptance_length > 1.0
+
+
+class _ListCache:
+    """Stands in for a KV cache: remembers the tokens it 'holds'."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def get_seq_length(self) -> int:
+        return len(self.tokens)
+
+    def crop(self, n: int) -> None:
+        assert n < 0
+        del self.tokens[n:]
+
+
+class NoCacheRunner(ModelRunner):
+    """Recomputes the full sequence at every forward: the reference for rollback."""
+
+    def new_cache(self):  # type: ignore[override]
+        return _ListCache()
+
+    @torch.inference_mode()
+    def forward(self, input_ids, cache, keep=None):  # type: ignore[override]
+        cache.tokens.extend(input_ids)
+        logits = self.model(input_ids=torch.tensor([cache.tokens])).logits[0, -len(input_ids):]
+        if keep is not None:
+            logits = logits[-keep:] if keep > 0 else logits[:0]
+        return logits.float()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_cached_output_equals_recomputed_without_cache(target, draft, tokenizer, temperature) -> None:
+    params = SamplingParams(temperature=temperature)
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer.encode(prompt)
+        cached = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 4, params, seed=i)
+        fresh = run(NoCacheRunner(target), ids, DraftModelDrafter(NoCacheRunner(draft)), 4, params, seed=i)
+        assert cached.output_ids == fresh.output_ids
+        assert cached.counters.num_accepted_tokens == fresh.counters.num_accepted_tokens
+        assert 0 < cached.counters.num_accepted_tokens < cached.counters.num_draft_tokens
+
+
+def test_eos_stops_without_emitting_it(target, draft, tokenizer) -> None:
+    ids = tokenizer.encode(PROMPTS[0])
+    free = run(ModelRunner(target), ids, None, 0).output_ids
+    eos = free[5]
+    events = list(
+        speculative_generate(
+            ModelRunner(target), ids, params=SamplingParams(0.0), generator=make_generator(0),
+            max_new_tokens=40, drafter=DraftModelDrafter(ModelRunner(draft)),
+            schedule=FixedSchedule(4), eos_token_ids=[eos],
+        )
+    )
+    assert events[-1].finish_reason == "stop"
+    assert events[-1].output_ids == free[: free.index(eos)]
+
+
+def test_max_new_tokens_and_context_window(target, tokenizer) -> None:
+    ids = tokenizer.encode(PROMPTS[2])
+    last = run(ModelRunner(target), ids, PromptLookupDrafter(), 8, n=7)
+    assert last.finish_reason == "length"
+    assert len(last.output_ids) == 7
+    events = list(
+        speculative_generate(
+            ModelRunner(target), ids, params=SamplingParams(0.0), generator=make_generator(0),
+            max_new_tokens=100, drafter=PromptLookupDrafter(), schedule=FixedSchedule(8),
+            max_context=len(ids) + 5,
+        )
+    )
+    assert events[-1].finish_reason == "length"
+    assert len(events[-1].output_ids) == 5
+
+
+def test_same_seed_same_tokens(target, draft, tokenizer) -> None:
+    ids = tokenizer.encode(PROMPTS[3])
+    params = SamplingParams(temperature=0.9, top_k=20)
+    a = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 3, params, seed=5)
+    b = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 3, params, seed=5)
+    c = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 3, params, seed=6)
+    assert a.output_ids == b.output_ids
+    assert a.output_ids != c.output_ids
+
+
+def test_bad_arguments_are_refused(target) -> None:
+    with pytest.raises(ValueError, match="at least one token"):
+        next(speculative_generate(ModelRunner(target), [], params=SamplingParams(0.0),
+                                  generator=make_generator(0), max_new_tokens=3))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        next(speculative_generate(ModelRunner(target), [1], params=SamplingParams(0.0),
+                                  generator=make_generator(0), max_new_tokens=0))
