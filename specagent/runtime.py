@@ -312,7 +312,7 @@ class _CallAssembler:
         )
         last = StreamChunk(
             text=text[self.emitted :] if len(text) > self.emitted else "",
-            token_ids=[],
+            token_ids=list(event.token_ids),
             finish_reason=result.finish_reason,
             result=result,
         )
@@ -326,7 +326,7 @@ class _CallAssembler:
         return SpecStats(
             policy=policy.name,
             mode=policy.mode,
-            drafter=policy.drafter.kind,
+            drafter=self.runtime.drafter_kind(policy),
             num_drafts=counters.num_drafts,
             num_draft_tokens=counters.num_draft_tokens,
             num_accepted_tokens=counters.num_accepted_tokens,
@@ -612,7 +612,7 @@ class SpecRuntime:
         return self._telemetry.start_call(
             policy=policy.name,
             mode=policy.mode,
-            drafter=policy.drafter.kind,
+            drafter=self.drafter_kind(policy),
             temperature=request.params.temperature,
             top_p=request.params.top_p,
             max_tokens=request.max_new_tokens,
@@ -645,16 +645,24 @@ class SpecRuntime:
             max_context=self.context_window,
         )
 
+    def drafter_kind(self, policy: Policy) -> str:
+        """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
+        kind = policy.drafter.kind
+        if kind == "draft_model" and self.draft is None and policy.drafter.fallback is not None:
+            return policy.drafter.fallback
+        return kind
+
     def _drafter_for(self, policy: Policy) -> tuple[Drafter | None, Schedule]:
         config = policy.drafter
+        kind = self.drafter_kind(policy)
         k = config.num_speculative_tokens
         drafter: Drafter | None
         runner: ModelRunner | None = None
-        if config.kind == "none":
+        if kind == "none":
             return None, FixedSchedule(0)
-        if config.kind == "prompt_lookup":
+        if kind == "prompt_lookup":
             drafter = PromptLookupDrafter(max_ngram=config.max_ngram, min_ngram=config.min_ngram)
-        elif config.kind == "draft_model":
+        elif kind == "draft_model":
             assert self._draft_runner is not None  # checked when the policies were loaded
             runner = self._draft_runner
             drafter = DraftModelDrafter(runner)
@@ -663,7 +671,7 @@ class SpecRuntime:
             drafter = EarlyExitDrafter(runner)
         if not config.adaptive:
             return drafter, FixedSchedule(k)
-        key = (f"{config.kind}:{id(runner)}", k)
+        key = (f"{kind}:{id(runner)}", k)
         if key not in self._costs:
             self._costs[key] = measure_costs(self._target_runner, runner, k + 1)
         return drafter, AdaptiveSchedule(max_k=k, costs=self._costs[key])
@@ -681,11 +689,12 @@ class SpecRuntime:
     def _check_policies_fit_models(self) -> None:
         total = int(getattr(self.target.config, "num_hidden_layers", 0))
         for policy in self.policies:
-            kind = policy.drafter.kind
+            kind = self.drafter_kind(policy)
             if kind == "draft_model" and self.draft is None:
                 msg = (
                     f"policy {policy.name!r}: field 'drafter.kind': draft_model needs a draft model, "
-                    "but this runtime has none (pass draft=..., or use prompt_lookup / early_exit)"
+                    "but this runtime has none (pass draft=..., set drafter.fallback, or use "
+                    "prompt_lookup / early_exit)"
                 )
                 raise PolicyError(msg)
             if kind == "early_exit":

@@ -45,7 +45,10 @@ class ModelRunner:
         params = _forward_params(type(model))
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
-        self.vocab_size = vocab_size
+        head = model.get_output_embeddings()
+        own_vocab = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+        self.vocab_size = vocab_size or own_vocab
+        """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = next(model.parameters()).device
 
     def new_cache(self) -> DynamicCache:
@@ -66,7 +69,7 @@ class ModelRunner:
         logits = self.model(input_ids=ids, **kwargs).logits[0]
         if keep is not None:
             logits = logits[-keep:] if keep > 0 else logits[:0]
-        if self.vocab_size is not None and logits.shape[-1] != self.vocab_size:
+        if logits.shape[-1] != self.vocab_size:
             logits = _align_vocab(logits, self.vocab_size)
         return logits.float()
 

@@ -137,7 +137,7 @@ def measure_costs(
     Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
     best k on a GPU. The runtime measures once and keeps the result, so seeded calls on one
     runtime stay reproducible."""
-    vocab = target.vocab_size or 32
+    vocab = target.vocab_size
     context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
 
     def best_time(runner: ModelRunner, n: int) -> float:

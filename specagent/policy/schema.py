@@ -36,6 +36,9 @@ class DrafterConfig(_Strict):
     """``draft_model`` needs a draft model in the runtime; ``none`` is plain decoding."""
     num_speculative_tokens: int = Field(default=4, ge=1, le=32)
     """k: the most draft tokens proposed per step."""
+    fallback: Literal["prompt_lookup", "early_exit", "none"] | None = None
+    """For ``draft_model``: the drafter to use on a runtime that has no draft model. Without it,
+    such a runtime refuses the policy when it is loaded."""
     adaptive: bool = True
     """Pick k per step from observed acceptance and measured step costs (k = 0: plain decoding)."""
     early_exit_layers: int | None = Field(default=None, ge=1)
@@ -50,8 +53,10 @@ class DrafterConfig(_Strict):
         if self.min_ngram > self.max_ngram:
             msg = f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
             raise ValueError(msg)
-        if self.early_exit_layers is not None and self.kind != "early_exit":
-            raise ValueError("early_exit_layers applies only to kind: early_exit")
+        if self.early_exit_layers is not None and "early_exit" not in (self.kind, self.fallback):
+            raise ValueError("early_exit_layers applies only to kind (or fallback) early_exit")
+        if self.fallback is not None and self.kind != "draft_model":
+            raise ValueError("fallback applies only to kind: draft_model")
         return self
 
 
@@ -149,8 +154,8 @@ class Policy(_Strict):
             if acceptance is None:
                 raise ValueError("a relaxed policy needs an acceptance block with a rule")
             drafter = info.data.get("drafter")
-            if drafter is not None and drafter.kind == "none":
-                raise ValueError("a relaxed policy needs a drafter, but drafter.kind is none")
+            if drafter is not None and "none" in (drafter.kind, drafter.fallback):
+                raise ValueError("a relaxed policy needs a drafter, but drafter.kind (or fallback) is none")
         return acceptance
 
     def relaxed_rule(self) -> RelaxedRule | None:
