@@ -38,7 +38,7 @@ def render_prompt(
         elif all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
             ids = [int(x) for x in prompt]  # type: ignore[arg-type]
         else:
-            msg = "prompt must be a string, a list of token ids (int), or a list of chat messages (dict)"
+            msg = "prompt must be a string, a list of token ids (int) or of chat messages (dict)"
             raise InvalidRequestError(msg)
     else:
         msg = f"prompt must be a string, token ids or chat messages, got {type(prompt).__name__}"
@@ -72,7 +72,8 @@ def _render_messages(
             raise InvalidRequestError(msg)
         content = message.get("content")
         if content is not None and not isinstance(content, (str, list)):
-            msg = f"message {i}: content must be a string or a list of parts, got {type(content).__name__}"
+            kind = type(content).__name__
+            msg = f"message {i}: content must be a string or a list of parts, got {kind}"
             raise InvalidRequestError(msg)
     if getattr(tok, "chat_template", None) is None:
         raise InvalidRequestError("this tokenizer has no chat template; pass text or token ids")
@@ -86,5 +87,9 @@ def _render_messages(
     except Exception as exc:  # jinja errors, template-specific checks
         msg = f"the chat template could not render these messages: {exc}"
         raise InvalidRequestError(msg) from exc
-    ids = rendered["input_ids"] if isinstance(rendered, Mapping) or hasattr(rendered, "keys") else rendered
+    ids = (
+        rendered["input_ids"]
+        if isinstance(rendered, Mapping) or hasattr(rendered, "keys")
+        else rendered
+    )
     return [int(x) for x in ids]

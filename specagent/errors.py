@@ -3,11 +3,11 @@
 ::
 
     SpecAgentError
-    ├── PolicyError                 a policy file or object is invalid (names file, field, expectation)
-    │   └── PolicyNotFoundError     a call named a policy that does not exist (lists the known names)
+    ├── PolicyError                 a policy is invalid (names file, field, expectation)
+    │   └── PolicyNotFoundError     a call named an unknown policy (lists the known names)
     ├── ModelLoadError              a model or tokenizer could not be loaded
     │   └── IncompatibleDraftError  the draft model cannot speculate for this target (vocabulary)
-    ├── InvalidRequestError         a call's input is wrong (empty prompt, bad token ids, bad lengths)
+    ├── InvalidRequestError         a call's input is wrong (empty prompt, bad ids, bad lengths)
     │   └── ContextLengthError      the prompt does not fit the model's context window
     ├── RuntimeClosedError          the runtime was closed while the call waited or ran
     ├── RuntimeOverloadedError      the admission queue is full; retry later

@@ -42,8 +42,14 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return dtype
     if dtype is None or dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         msg = f"unknown dtype {dtype!r}; expected 'auto' or one of {sorted(names)}"
         raise ModelLoadError(msg)
@@ -70,7 +76,8 @@ def load_model(
     except (OSError, ValueError) as exc:
         msg = f"cannot load model {source!r}: {exc}"
         raise ModelLoadError(msg) from exc
-    return model.to(device).eval()
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to() oddly
+    return model.eval()
 
 
 def load_tokenizer(source: str, *, trust_remote_code: bool = False) -> Any:

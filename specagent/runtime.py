@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from .chat import Prompt, render_prompt
 from .decoding.cache import ModelRunner, early_exit_view
-from .decoding.drafters import DraftModelDrafter, Drafter, EarlyExitDrafter, PromptLookupDrafter
+from .decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
 from .decoding.loop import DecodeCounters, DecodeEvent, speculative_generate
 from .decoding.sampling import SamplingParams, make_generator
 from .decoding.schedule import AdaptiveSchedule, CostModel, FixedSchedule, Schedule, measure_costs
@@ -191,7 +191,7 @@ class _Worker:
                         return
                     if self.stopping and not self.inbox and not self.active:
                         return
-                    starting = []
+                    starting: list[_Job] = []
                     while self.inbox and len(self.active) + len(starting) < self.runtime.max_active:
                         starting.append(self.inbox.popleft())
                 for job in starting:
@@ -290,7 +290,9 @@ class _CallAssembler:
         while safe > self.emitted and text[safe - 1] == "\ufffd":  # incomplete character
             safe -= 1
         if safe <= self.emitted:
-            return StreamChunk(text="", token_ids=list(event.token_ids)) if event.token_ids else None
+            return (
+                StreamChunk(text="", token_ids=list(event.token_ids)) if event.token_ids else None
+            )
         delta, self.emitted = text[self.emitted : safe], safe
         return StreamChunk(text=delta, token_ids=list(event.token_ids))
 
@@ -413,7 +415,9 @@ class SpecRuntime:
         draft_model = draft_tokenizer = None
         if draft is not None:
             draft_tokenizer = load_tokenizer(draft, trust_remote_code=trust_remote_code)
-            draft_model = load_model(draft, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+            draft_model = load_model(
+                draft, device=dev, dtype=dt, trust_remote_code=trust_remote_code
+            )
         return cls(
             target=target_model,
             draft=draft_model,
@@ -479,8 +483,9 @@ class SpecRuntime:
         parent_context: otel_context.Context | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result."""
-        request = self._request(prompt, policy, tags, max_new_tokens, temperature, top_p, top_k,
-                                stop, seed)
+        request = self._request(
+            prompt, policy, tags, max_new_tokens, temperature, top_p, top_k, stop, seed
+        )
         call = self._start_span(request, parent_context)
         sink = _AsyncSink()
         job = _Job(request, sink)
@@ -540,7 +545,7 @@ class SpecRuntime:
                         return
                     yield chunk
             finally:
-                portal.call(agen.aclose)  # type: ignore[attr-defined]
+                portal.call(agen.aclose)  # type: ignore[attr-defined,call-arg]
 
     # ------------------------------------------------------------------ internals
 
@@ -562,8 +567,12 @@ class SpecRuntime:
         overrides = {
             key: value
             for key, value in {
-                "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "top_k": top_k, "stop": tuple(stop) if stop is not None else None, "seed": seed,
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                "stop": tuple(stop) if stop is not None else None,
+                "seed": seed,
             }.items()
             if value is not None
         }
@@ -572,7 +581,9 @@ class SpecRuntime:
         try:
             sampling = SamplingConfig.model_validate({**policy.sampling.model_dump(), **overrides})
         except ValidationError as exc:
-            raise InvalidRequestError(f"invalid call parameters: {format_validation_error(exc)}") from exc
+            raise InvalidRequestError(
+                f"invalid call parameters: {format_validation_error(exc)}"
+            ) from exc
         if any(not s for s in sampling.stop):
             raise InvalidRequestError("stop strings must be non-empty")
         prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size)
@@ -692,9 +703,9 @@ class SpecRuntime:
             kind = self.drafter_kind(policy)
             if kind == "draft_model" and self.draft is None:
                 msg = (
-                    f"policy {policy.name!r}: field 'drafter.kind': draft_model needs a draft model, "
-                    "but this runtime has none (pass draft=..., set drafter.fallback, or use "
-                    "prompt_lookup / early_exit)"
+                    f"policy {policy.name!r}: field 'drafter.kind': draft_model needs a draft "
+                    "model, but this runtime has none (pass draft=..., set drafter.fallback, "
+                    "or use prompt_lookup / early_exit)"
                 )
                 raise PolicyError(msg)
             if kind == "early_exit":
@@ -712,7 +723,9 @@ class SpecRuntime:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
-async def _call_generate(runtime: SpecRuntime, prompt: Prompt, kwargs: Mapping[str, Any]) -> GenerationResult:
+async def _call_generate(
+    runtime: SpecRuntime, prompt: Prompt, kwargs: Mapping[str, Any]
+) -> GenerationResult:
     return await runtime.generate(prompt, **kwargs)
 
 

@@ -31,12 +31,56 @@ __all__ = ["CallSpan", "Telemetry"]
 PROVIDER = "specagent"
 
 # Bucket advice from the GenAI metrics conventions.
-_DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                     40.96, 81.92]
-_TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304,
-                  16777216, 67108864]
-_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                 5.0, 7.5, 10.0]
+_DURATION_BUCKETS = [
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+]
+_TOKEN_BUCKETS = [
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
+]
+_TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+]
 _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 _RATE_BUCKETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 _LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
@@ -68,33 +112,47 @@ class Telemetry:
         self.tracer = trace.get_tracer("specagent", __version__, tracer_provider=tracer_provider)
         meter = metrics.get_meter("specagent", __version__, meter_provider=meter_provider)
         self.duration = meter.create_histogram(
-            "gen_ai.client.operation.duration", unit="s",
+            "gen_ai.client.operation.duration",
+            unit="s",
             description="GenAI operation duration",
-            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS)
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
         self.token_usage = meter.create_histogram(
-            "gen_ai.client.token.usage", unit="{token}",
+            "gen_ai.client.token.usage",
+            unit="{token}",
             description="Number of input and output tokens used",
-            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS)
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS,
+        )
         self.ttft = meter.create_histogram(
-            "gen_ai.server.time_to_first_token", unit="s",
+            "gen_ai.server.time_to_first_token",
+            unit="s",
             description="Time to generate the first token",
-            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS)
+            explicit_bucket_boundaries_advisory=_TTFT_BUCKETS,
+        )
         self.tpot = meter.create_histogram(
-            "gen_ai.server.time_per_output_token", unit="s",
+            "gen_ai.server.time_per_output_token",
+            unit="s",
             description="Time per output token after the first",
-            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS)
+            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS,
+        )
         self.acceptance = meter.create_histogram(
-            "specagent.spec_decode.acceptance_rate", unit="1",
+            "specagent.spec_decode.acceptance_rate",
+            unit="1",
             description="Accepted / proposed draft tokens per call",
-            explicit_bucket_boundaries_advisory=_RATE_BUCKETS)
+            explicit_bucket_boundaries_advisory=_RATE_BUCKETS,
+        )
         self.acceptance_length = meter.create_histogram(
-            "specagent.spec_decode.mean_acceptance_length", unit="{token}",
+            "specagent.spec_decode.mean_acceptance_length",
+            unit="{token}",
             description="Tokens emitted per target forward, per call",
-            explicit_bucket_boundaries_advisory=_LENGTH_BUCKETS)
+            explicit_bucket_boundaries_advisory=_LENGTH_BUCKETS,
+        )
         self.divergence = meter.create_histogram(
-            "specagent.divergence", unit="1",
+            "specagent.divergence",
+            unit="1",
             description="Mean TV distance from the target distribution per token (relaxed calls)",
-            explicit_bucket_boundaries_advisory=_DIVERGENCE_BUCKETS)
+            explicit_bucket_boundaries_advisory=_DIVERGENCE_BUCKETS,
+        )
 
     def start_call(
         self,
@@ -118,17 +176,21 @@ class Telemetry:
             "specagent.mode": mode,
         }
         span = self.tracer.start_span(
-            f"chat {self.model_name}", kind=SpanKind.INTERNAL, context=parent,
+            f"chat {self.model_name}",
+            kind=SpanKind.INTERNAL,
+            context=parent,
             attributes=attributes,
         )
         if span.is_recording():
-            span.set_attributes({
-                "gen_ai.request.temperature": temperature,
-                "gen_ai.request.top_p": top_p,
-                "gen_ai.request.max_tokens": max_tokens,
-                "gen_ai.request.seed": seed,
-                "specagent.drafter": drafter,
-            })
+            span.set_attributes(
+                {
+                    "gen_ai.request.temperature": temperature,
+                    "gen_ai.request.top_p": top_p,
+                    "gen_ai.request.max_tokens": max_tokens,
+                    "gen_ai.request.seed": seed,
+                    "specagent.drafter": drafter,
+                }
+            )
             if record_content and prompt is not None:
                 span.set_attribute("gen_ai.input.messages", _input_messages(prompt))
         return CallSpan(span, time.perf_counter(), attributes, record_content)
@@ -152,7 +214,8 @@ class Telemetry:
                 "specagent.spec_decode.mean_acceptance_length": stats.mean_acceptance_length,
                 "specagent.spec_decode.accepted_per_position": list(stats.accepted_per_position),
                 "specagent.spec_decode.acceptance_rate_per_position": _per_position_rates(
-                    stats.accepted_per_position, stats.num_drafts),
+                    stats.accepted_per_position, stats.num_drafts
+                ),
                 "specagent.ttft_s": stats.ttft_s,
                 "specagent.tokens_per_s": stats.tokens_per_s,
             }
@@ -160,9 +223,15 @@ class Telemetry:
                 attrs["specagent.divergence"] = stats.divergence
                 attrs["specagent.fell_back_to_lossless"] = stats.fell_back_to_lossless
             if call.record_content:
-                attrs["gen_ai.output.messages"] = json.dumps([{
-                    "role": "assistant", "parts": [{"type": "text", "content": result.text}],
-                    "finish_reason": result.finish_reason}])
+                attrs["gen_ai.output.messages"] = json.dumps(
+                    [
+                        {
+                            "role": "assistant",
+                            "parts": [{"type": "text", "content": result.text}],
+                            "finish_reason": result.finish_reason,
+                        }
+                    ]
+                )
             span.set_attributes(attrs)
         span.end()
         self._record_metrics(call, result)

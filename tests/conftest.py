@@ -24,21 +24,39 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         pad_token="<pad>",
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def make_model(vocab_size: int, *, layers: int = 2, seed: int = 0, hidden: int = 64,
-               init: float = 0.02, max_positions: int = 512) -> LlamaForCausalLM:
+def make_model(
+    vocab_size: int,
+    *,
+    layers: int = 2,
+    seed: int = 0,
+    hidden: int = 64,
+    init: float = 0.02,
+    max_positions: int = 512,
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, initializer_range=init,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=init,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -49,7 +67,9 @@ def perturbed_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaFor
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * scale * param.std().clamp_min(1e-3))
+            param.add_(
+                torch.randn(param.shape, generator=gen) * scale * param.std().clamp_min(1e-3)
+            )
     return draft.eval()
 
 

@@ -24,25 +24,48 @@ from specagent import (
 )
 
 POLICIES = [
-    Policy(name="exact", description="lossless test policy", mode="lossless",
-           drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
-           match={"tags": ["legal"]}),
-    Policy(name="fast", description="relaxed test policy", mode="relaxed",
-           drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
-           acceptance={"rule": "top_k", "top_k": 3, "ratio": 0.2}, match={"tags": ["summary"]}),
-    Policy(name="budget", description="relaxed with a tiny budget", mode="relaxed",
-           drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
-           acceptance={"rule": "lenience", "lenience": 0.05, "max_divergence": 0.001}),
-    Policy(name="lookup", description="lossless prompt lookup", mode="lossless",
-           drafter={"kind": "prompt_lookup", "num_speculative_tokens": 5}),
-    Policy(name="self", description="lossless early exit", mode="lossless",
-           drafter={"kind": "early_exit", "early_exit_layers": 2, "num_speculative_tokens": 3}),
+    Policy(
+        name="exact",
+        description="lossless test policy",
+        mode="lossless",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+        match={"tags": ["legal"]},
+    ),
+    Policy(
+        name="fast",
+        description="relaxed test policy",
+        mode="relaxed",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+        acceptance={"rule": "top_k", "top_k": 3, "ratio": 0.2},
+        match={"tags": ["summary"]},
+    ),
+    Policy(
+        name="budget",
+        description="relaxed with a tiny budget",
+        mode="relaxed",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+        acceptance={"rule": "lenience", "lenience": 0.05, "max_divergence": 0.001},
+    ),
+    Policy(
+        name="lookup",
+        description="lossless prompt lookup",
+        mode="lossless",
+        drafter={"kind": "prompt_lookup", "num_speculative_tokens": 5},
+    ),
+    Policy(
+        name="self",
+        description="lossless early exit",
+        mode="lossless",
+        drafter={"kind": "early_exit", "early_exit_layers": 2, "num_speculative_tokens": 3},
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def runtime(target, draft, tokenizer):
-    rt = SpecRuntime(target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES, device="cpu")
+    rt = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES, device="cpu"
+    )
     yield rt
     rt.close()
 
@@ -58,7 +81,9 @@ async def test_generate_returns_text_tokens_usage_and_stats(runtime, tokenizer) 
     stats = result.stats
     assert (stats.policy, stats.mode, stats.drafter) == ("exact", "lossless", "draft_model")
     assert stats.num_draft_tokens >= stats.num_accepted_tokens > 0
-    assert stats.acceptance_rate == pytest.approx(stats.num_accepted_tokens / stats.num_draft_tokens)
+    assert stats.acceptance_rate == pytest.approx(
+        stats.num_accepted_tokens / stats.num_draft_tokens
+    )
     assert stats.mean_acceptance_length > 1.0
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
     assert 0 < stats.ttft_s <= stats.latency_s
@@ -71,9 +96,15 @@ async def test_greedy_runtime_equals_target_greedy(runtime, target, tokenizer) -
     import torch
 
     ids = tokenizer.encode("def f(x): return")
-    expected = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0)
-    expected_ids = expected[0, len(ids):].tolist()
+    expected = target.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=25,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    expected_ids = expected[0, len(ids) :].tolist()
     for policy in ("exact", "lookup", "self", "default"):
         result = await runtime.generate(ids, policy=policy, max_new_tokens=25)
         n = len(result.token_ids)
@@ -83,8 +114,11 @@ async def test_greedy_runtime_equals_target_greedy(runtime, target, tokenizer) -
 
 @pytest.mark.anyio
 async def test_stream_chunks_add_up_to_the_result(runtime) -> None:
-    chunks = [c async for c in runtime.stream("Stream me", policy="exact", max_new_tokens=20, seed=2)]
-    assert chunks[-1].result is not None and chunks[-1].finish_reason is not None
+    chunks = [
+        c async for c in runtime.stream("Stream me", policy="exact", max_new_tokens=20, seed=2)
+    ]
+    assert chunks[-1].result is not None
+    assert chunks[-1].finish_reason is not None
     assert all(c.finish_reason is None for c in chunks[:-1])
     assert "".join(c.text for c in chunks) == chunks[-1].result.text
     assert sum(len(c.token_ids) for c in chunks) >= len(chunks[-1].result.token_ids)
@@ -99,7 +133,8 @@ async def test_stop_strings_end_the_call_and_are_never_emitted(runtime) -> None:
     chunks = [c async for c in runtime.stream("Stop here", stop=[stop], **kwargs)]
     result = chunks[-1].result
     assert result.finish_reason == "stop"
-    assert stop not in result.text and free.text.startswith(result.text)
+    assert stop not in result.text
+    assert free.text.startswith(result.text)
     assert result.text == free.text[: free.text.index(stop)]
     assert "".join(c.text for c in chunks) == result.text
 
@@ -114,7 +149,7 @@ def test_sync_front_door(runtime) -> None:
 
 @pytest.mark.anyio
 async def test_sync_front_door_refuses_to_block_an_event_loop(runtime) -> None:
-    with pytest.raises(RuntimeError, match="await runtime.generate"):
+    with pytest.raises(RuntimeError, match=r"await runtime\.generate"):
         runtime.generate_sync("x", max_new_tokens=2)
 
 
@@ -122,7 +157,9 @@ def test_sync_calls_from_many_threads(runtime) -> None:
     results: dict[int, list[int]] = {}
 
     def call(i: int) -> None:
-        results[i] = runtime.generate_sync(f"thread {i}", policy="exact", max_new_tokens=10).token_ids
+        results[i] = runtime.generate_sync(
+            f"thread {i}", policy="exact", max_new_tokens=10
+        ).token_ids
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
     for t in threads:
@@ -130,7 +167,10 @@ def test_sync_calls_from_many_threads(runtime) -> None:
     for t in threads:
         t.join()
     for i in range(6):
-        assert results[i] == runtime.generate_sync(f"thread {i}", policy="exact", max_new_tokens=10).token_ids
+        assert (
+            results[i]
+            == runtime.generate_sync(f"thread {i}", policy="exact", max_new_tokens=10).token_ids
+        )
 
 
 @pytest.mark.anyio
@@ -144,11 +184,15 @@ async def test_chat_messages_use_the_chat_template(runtime, tokenizer) -> None:
 @pytest.mark.anyio
 async def test_concurrent_calls_match_sequential_ones(runtime) -> None:
     prompts = [f"Prompt number {i}" for i in range(8)]
-    sequential = [(await runtime.generate(p, policy="exact", max_new_tokens=15)).token_ids for p in prompts]
+    sequential = [
+        (await runtime.generate(p, policy="exact", max_new_tokens=15)).token_ids for p in prompts
+    ]
     results: list[list[int]] = [[] for _ in prompts]
 
     async def one(i: int) -> None:
-        results[i] = (await runtime.generate(prompts[i], policy="exact", max_new_tokens=15)).token_ids
+        results[i] = (
+            await runtime.generate(prompts[i], policy="exact", max_new_tokens=15)
+        ).token_ids
 
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
@@ -177,7 +221,8 @@ async def test_cancelled_call_stops_at_the_next_step(runtime) -> None:
         if not worker.active:
             break
         await anyio.sleep(0.01)
-    assert not worker.active and not worker.inbox
+    assert not worker.active
+    assert not worker.inbox
     result = await runtime.generate("still serving", policy="exact", max_new_tokens=5)
     assert result.usage.output_tokens > 0
 
@@ -207,7 +252,9 @@ async def test_timeout(runtime) -> None:
         ("ok", {"policy": "legl"}, PolicyNotFoundError, "known policies: budget, default, exact"),
     ],
 )
-async def test_bad_input_is_refused_and_the_runtime_keeps_serving(runtime, prompt, kwargs, error, match) -> None:
+async def test_bad_input_is_refused_and_the_runtime_keeps_serving(
+    runtime, prompt, kwargs, error, match
+) -> None:
     with pytest.raises(error, match=match):
         await runtime.generate(prompt, **kwargs)
     assert (await runtime.generate("fine", max_new_tokens=3)).usage.output_tokens > 0
@@ -217,8 +264,11 @@ async def test_bad_input_is_refused_and_the_runtime_keeps_serving(runtime, promp
 async def test_a_caller_cannot_make_a_lossless_policy_relaxed(runtime) -> None:
     with pytest.raises(TypeError):
         await runtime.generate("x", policy="exact", mode="relaxed")  # type: ignore[call-arg]
-    result = await runtime.generate("x", policy="exact", temperature=1.0, top_p=0.5, max_new_tokens=5)
-    assert result.stats.mode == "lossless" and result.stats.divergence is None
+    result = await runtime.generate(
+        "x", policy="exact", temperature=1.0, top_p=0.5, max_new_tokens=5
+    )
+    assert result.stats.mode == "lossless"
+    assert result.stats.divergence is None
 
 
 @pytest.mark.anyio
@@ -234,8 +284,9 @@ async def test_relaxed_accepts_more_than_lossless_and_reports_divergence(runtime
     divergences = []
     for seed in range(12):
         for name in totals:
-            r = await runtime.generate(f"Compare {seed}", policy=name, temperature=1.0,
-                                       max_new_tokens=30, seed=seed)
+            r = await runtime.generate(
+                f"Compare {seed}", policy=name, temperature=1.0, max_new_tokens=30, seed=seed
+            )
             totals[name][0] += r.stats.num_accepted_tokens
             totals[name][1] += r.stats.num_draft_tokens
             if name == "fast":
@@ -249,7 +300,9 @@ async def test_relaxed_accepts_more_than_lossless_and_reports_divergence(runtime
 
 @pytest.mark.anyio
 async def test_divergence_budget_falls_back_to_lossless(runtime) -> None:
-    result = await runtime.generate("Budget", policy="budget", temperature=1.0, max_new_tokens=60, seed=4)
+    result = await runtime.generate(
+        "Budget", policy="budget", temperature=1.0, max_new_tokens=60, seed=4
+    )
     assert result.stats.mode == "relaxed"
     assert result.stats.fell_back_to_lossless
 
@@ -258,14 +311,23 @@ async def test_divergence_budget_falls_back_to_lossless(runtime) -> None:
 def test_lossless_distribution_through_the_runtime() -> None:
     """The public path (adaptive k, calibrated costs, worker) stays lossless: the first four
     tokens match the target's exact marginals (chi-square, N = 1500)."""
-    from decoding.test_lossless_distribution import STEPS, VOCAB, chi_square_pvalues, exact_marginals
+    from decoding.test_lossless_distribution import (
+        STEPS,
+        VOCAB,
+        chi_square_pvalues,
+        exact_marginals,
+    )
 
     from specagent.decoding.sampling import SamplingParams
 
     target = make_model(VOCAB, layers=2, seed=11, hidden=32, init=0.4)
     draft = make_model(VOCAB, layers=1, seed=12, hidden=32, init=0.4)
-    policy = Policy(name="p", description="d", mode="lossless",
-                    drafter={"kind": "draft_model", "num_speculative_tokens": 3})
+    policy = Policy(
+        name="p",
+        description="d",
+        mode="lossless",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 3},
+    )
     rt = SpecRuntime(target=target, draft=draft, policies=[policy], device="cpu")
     rt.target.generation_config.eos_token_id = None
     rt.eos_token_ids = []
@@ -277,7 +339,9 @@ def test_lossless_distribution_through_the_runtime() -> None:
     async def run_all() -> None:
         async with rt:
             for seed in range(1500):
-                r = await rt.generate(PROMPT, policy="p", temperature=1.0, max_new_tokens=STEPS, seed=seed)
+                r = await rt.generate(
+                    PROMPT, policy="p", temperature=1.0, max_new_tokens=STEPS, seed=seed
+                )
                 for t, token in enumerate(r.token_ids):
                     counts[t, token] += 1
 
@@ -304,14 +368,20 @@ def test_incompatible_draft_is_refused(target, tokenizer) -> None:
 
     different = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="A")
     with pytest.raises(IncompatibleDraftError, match="differs from the target's"):
-        SpecRuntime(target=target, draft=draft, tokenizer=tokenizer, draft_tokenizer=different, device="cpu")
+        SpecRuntime(
+            target=target, draft=draft, tokenizer=tokenizer, draft_tokenizer=different, device="cpu"
+        )
 
 
 def test_policy_needing_a_draft_model(target, tokenizer) -> None:
     with pytest.raises(PolicyError, match="draft_model needs a draft model"):
         SpecRuntime(target=target, tokenizer=tokenizer, policies=[POLICIES[0]], device="cpu")
-    fallback = Policy(name="fb", description="d", mode="lossless",
-                      drafter={"kind": "draft_model", "fallback": "prompt_lookup"})
+    fallback = Policy(
+        name="fb",
+        description="d",
+        mode="lossless",
+        drafter={"kind": "draft_model", "fallback": "prompt_lookup"},
+    )
     rt = SpecRuntime(target=target, tokenizer=tokenizer, policies=[fallback], device="cpu")
     assert rt.generate_sync("abab", policy="fb", max_new_tokens=4).stats.drafter == "prompt_lookup"
     rt.close()
@@ -320,22 +390,33 @@ def test_policy_needing_a_draft_model(target, tokenizer) -> None:
 def test_shipped_policies_load_into_a_single_model_runtime(target, tokenizer) -> None:
     from pathlib import Path
 
-    rt = SpecRuntime(target=target, tokenizer=tokenizer,
-                     policies=Path(__file__).resolve().parents[1] / "policies", device="cpu")
+    rt = SpecRuntime(
+        target=target,
+        tokenizer=tokenizer,
+        policies=Path(__file__).resolve().parents[1] / "policies",
+        device="cpu",
+    )
     result = rt.generate_sync("Summarise: a b c", tags=["summary"], max_new_tokens=8, seed=0)
     assert (result.stats.policy, result.stats.mode) == ("internal-summary", "relaxed")
     rt.close()
 
 
 def test_overload_and_shutdown(target, draft, tokenizer) -> None:
-    rt = SpecRuntime(target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES,
-                     device="cpu", max_active=1, max_queue=1)
+    rt = SpecRuntime(
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        policies=POLICIES,
+        device="cpu",
+        max_active=1,
+        max_queue=1,
+    )
     errors: list[BaseException] = []
 
     def long_call() -> None:
         try:
             rt.generate_sync("long", policy="exact", max_new_tokens=400, temperature=1.0)
-        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=long_call) for _ in range(2)]
@@ -347,7 +428,8 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
     rt.close(drain=False)
     for t in threads:
         t.join(timeout=10)
-    assert len(errors) == 2 and all(isinstance(e, RuntimeClosedError) for e in errors)
+    assert len(errors) == 2
+    assert all(isinstance(e, RuntimeClosedError) for e in errors)
     # a closed runtime starts a fresh worker when used again
     assert rt.generate_sync("again", policy="exact", max_new_tokens=3).usage.output_tokens > 0
     rt.close()

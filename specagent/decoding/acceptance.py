@@ -70,7 +70,8 @@ class RelaxedRule(Protocol):
     """A lossy acceptance criterion. ``criterion`` gives, per vocabulary entry, a probability of
     accepting beyond what exact verification accepts; rules never accept *less* than lossless."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def criterion(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """``p, q: [n, V]`` -> acceptance probability ``[n, V]`` in [0, 1]."""
@@ -198,7 +199,9 @@ def verify_lossless(
     # u < p/q without dividing: q_x > 0 always holds for a token that was drafted from q.
     n = _first_rejection(u * q_x < p_x)
     if n < k:
-        residual = residual_distribution(target_probs[n], torch.minimum(draft_probs[n], target_probs[n]))
+        residual = residual_distribution(
+            target_probs[n], torch.minimum(draft_probs[n], target_probs[n])
+        )
         token = int(sample(residual, generator))
     else:
         token = int(sample(target_probs[k], generator))

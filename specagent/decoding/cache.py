@@ -21,7 +21,7 @@ __all__ = ["ModelRunner", "crop_to", "early_exit_view"]
 
 
 @functools.lru_cache(maxsize=64)
-def _forward_params(model_type: type) -> frozenset[str]:
+def _forward_params(model_type: Any) -> frozenset[str]:
     return frozenset(inspect.signature(model_type.forward).parameters)
 
 
@@ -42,7 +42,7 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
         self.model = model
-        params = _forward_params(type(model))
+        params = _forward_params(type(model))  # type: ignore[arg-type]
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
         head = model.get_output_embeddings()
@@ -58,7 +58,9 @@ class ModelRunner:
             return DynamicCache()
 
     @torch.inference_mode()
-    def forward(self, input_ids: list[int], cache: DynamicCache, keep: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: list[int], cache: DynamicCache, keep: int | None = None
+    ) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; returns logits ``[n_kept, V]``.
 
         ``keep`` = how many trailing positions need logits (None: all of them)."""
@@ -94,13 +96,15 @@ def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     layers = getattr(base, "layers", None)
     if base is None or not isinstance(layers, nn.ModuleList):
         msg = (
-            f"early_exit needs a decoder with a `{prefix}.layers` list (Llama, Qwen, Mistral, ...); "
+            f"early_exit needs a decoder with a `{prefix}.layers` list (Llama, Qwen, Mistral); "
             f"{type(model).__name__} has none"
         )
         raise ValueError(msg)
     total = len(layers)
     if not 1 <= num_layers < total:
-        msg = f"early_exit layers must be between 1 and {total - 1} for this model, got {num_layers}"
+        msg = (
+            f"early_exit layers must be between 1 and {total - 1} for this model, got {num_layers}"
+        )
         raise ValueError(msg)
 
     config = copy.deepcopy(model.config)

@@ -70,7 +70,9 @@ class DecodeCounters:
             self.num_draft_tokens += proposed
             self.num_accepted_tokens += verdict.num_accepted
             if len(self.accepted_per_position) < proposed:
-                self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
+                self.accepted_per_position.extend(
+                    [0] * (proposed - len(self.accepted_per_position))
+                )
             for i in range(verdict.num_accepted):
                 self.accepted_per_position[i] += 1
 

@@ -74,7 +74,11 @@ def format_validation_error(exc: ValidationError) -> str:
         if error["type"] == "extra_forbidden":
             message = "unknown field (not part of the policy schema)"
         got = error.get("input")
-        detail = f" (got: {got!r})" if error["type"] != "extra_forbidden" and not isinstance(got, dict) else ""
+        detail = (
+            f" (got: {got!r})"
+            if error["type"] != "extra_forbidden" and not isinstance(got, dict)
+            else ""
+        )
         lines.append(f"field '{loc or '<root>'}': {message}{detail}")
     return "; ".join(lines)
 

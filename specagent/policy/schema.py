@@ -155,7 +155,9 @@ class Policy(_Strict):
                 raise ValueError("a relaxed policy needs an acceptance block with a rule")
             drafter = info.data.get("drafter")
             if drafter is not None and "none" in (drafter.kind, drafter.fallback):
-                raise ValueError("a relaxed policy needs a drafter, but drafter.kind (or fallback) is none")
+                raise ValueError(
+                    "a relaxed policy needs a drafter, but drafter.kind (or fallback) is none"
+                )
         return acceptance
 
     def relaxed_rule(self) -> RelaxedRule | None:

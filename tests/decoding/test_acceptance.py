@@ -51,7 +51,10 @@ def brute_criterion(rule, p: list[float], q: list[float], x: int) -> float:
 def brute_induced(rule, p: list[float], q: list[float]) -> list[float]:
     """Enumerate: draft x ~ q, accept with a(x) = max(min(1, p/q), criterion), else resample
     from norm(max(0, p - q a))."""
-    a = [max(min(1.0, p[x] / q[x]) if q[x] > 0 else 1.0, brute_criterion(rule, p, q, x)) for x in range(V)]
+    a = [
+        max(min(1.0, p[x] / q[x]) if q[x] > 0 else 1.0, brute_criterion(rule, p, q, x))
+        for x in range(V)
+    ]
     accepted = [q[x] * a[x] for x in range(V)]
     residual = [max(0.0, p[x] - accepted[x]) for x in range(V)]
     mass = sum(residual)
@@ -114,7 +117,9 @@ def test_relaxed_rules_accept_at_least_what_lossless_accepts() -> None:
     p = torch.tensor([0.40, 0.35, 0.10, 0.05, 0.05, 0.05])
     q = torch.tensor([0.05, 0.85, 0.04, 0.02, 0.02, 0.02])
     for rule in (TypicalRule(), TopKRule(top_k=2, ratio=0.5), LenienceRule(lenience=0.3)):
-        relaxed = (q * torch.maximum(lossless_acceptance(p, q), rule.criterion(p[None], q[None])[0])).sum()
+        relaxed = (
+            q * torch.maximum(lossless_acceptance(p, q), rule.criterion(p[None], q[None])[0])
+        ).sum()
         assert relaxed > (q * lossless_acceptance(p, q)).sum()
 
 
@@ -150,6 +155,8 @@ def test_top_p_keeps_the_most_likely_token_and_renormalises() -> None:
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert probs[0, 0] == pytest.approx(1.0)
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
-    assert (probs[0, 2:] == 0).all() and probs[0].sum() == pytest.approx(1.0)
+    assert (probs[0, 2:] == 0).all()
+    assert probs[0].sum() == pytest.approx(1.0)
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
-    assert probs[0, 3] == 0 and probs[0, :3].min() > 0
+    assert probs[0, 3] == 0
+    assert probs[0, :3].min() > 0

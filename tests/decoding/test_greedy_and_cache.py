@@ -17,17 +17,29 @@ PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "abcabcabc", "The qu
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     out = model.generate(
-        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
-def run(target_runner, ids, drafter, k, params=SamplingParams(0.0), seed=0, n=40, schedule=None):
+GREEDY = SamplingParams(0.0)
+
+
+def run(target_runner, ids, drafter, k, params=GREEDY, seed=0, n=40, schedule=None):
     events = list(
         speculative_generate(
-            target_runner, ids, params=params, generator=make_generator(seed),
-            max_new_tokens=n, drafter=drafter, schedule=schedule or FixedSchedule(k),
+            target_runner,
+            ids,
+            params=params,
+            generator=make_generator(seed),
+            max_new_tokens=n,
+            drafter=drafter,
+            schedule=schedule or FixedSchedule(k),
         )
     )
     return events[-1]
@@ -51,7 +63,9 @@ def test_greedy_equals_target_greedy_for_each_drafter(target, draft, tokenizer, 
 def test_greedy_with_adaptive_k_equals_target_greedy(target, draft, tokenizer) -> None:
     ids = tokenizer.encode(PROMPTS[0])
     schedule = AdaptiveSchedule(max_k=5, costs=CostModel(draft_step=0.1, verify=(1.0, 1.05, 1.1)))
-    last = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 0, schedule=schedule)
+    last = run(
+        ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 0, schedule=schedule
+    )
     assert last.output_ids == hf_greedy(target, ids, 40)
     assert last.counters.num_drafts > 0
 
@@ -59,7 +73,9 @@ def test_greedy_with_adaptive_k_equals_target_greedy(target, draft, tokenizer) -
 def test_speculation_accepts_tokens_on_a_related_pair(target, draft, tokenizer) -> None:
     """Not a correctness property but a sanity one: the perturbed draft agrees often enough
     that the equality tests above exercise accepted prefixes and rollbacks alike."""
-    last = run(ModelRunner(target), tokenizer.encode(PROMPTS[1]), DraftModelDrafter(ModelRunner(draft)), 4)
+    last = run(
+        ModelRunner(target), tokenizer.encode(PROMPTS[1]), DraftModelDrafter(ModelRunner(draft)), 4
+    )
     assert 0.0 < last.counters.acceptance_rate < 1.0
     assert last.counters.mean_acceptance_length > 1.0
 
@@ -87,19 +103,25 @@ class NoCacheRunner(ModelRunner):
     @torch.inference_mode()
     def forward(self, input_ids, cache, keep=None):  # type: ignore[override]
         cache.tokens.extend(input_ids)
-        logits = self.model(input_ids=torch.tensor([cache.tokens])).logits[0, -len(input_ids):]
+        logits = self.model(input_ids=torch.tensor([cache.tokens])).logits[0, -len(input_ids) :]
         if keep is not None:
             logits = logits[-keep:] if keep > 0 else logits[:0]
         return logits.float()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_cached_output_equals_recomputed_without_cache(target, draft, tokenizer, temperature) -> None:
+def test_cached_output_equals_recomputed_without_cache(
+    target, draft, tokenizer, temperature
+) -> None:
     params = SamplingParams(temperature=temperature)
     for i, prompt in enumerate(PROMPTS):
         ids = tokenizer.encode(prompt)
-        cached = run(ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 4, params, seed=i)
-        fresh = run(NoCacheRunner(target), ids, DraftModelDrafter(NoCacheRunner(draft)), 4, params, seed=i)
+        cached = run(
+            ModelRunner(target), ids, DraftModelDrafter(ModelRunner(draft)), 4, params, seed=i
+        )
+        fresh = run(
+            NoCacheRunner(target), ids, DraftModelDrafter(NoCacheRunner(draft)), 4, params, seed=i
+        )
         assert cached.output_ids == fresh.output_ids
         assert cached.counters.num_accepted_tokens == fresh.counters.num_accepted_tokens
         assert 0 < cached.counters.num_accepted_tokens < cached.counters.num_draft_tokens
@@ -111,9 +133,14 @@ def test_eos_stops_without_emitting_it(target, draft, tokenizer) -> None:
     eos = free[5]
     events = list(
         speculative_generate(
-            ModelRunner(target), ids, params=SamplingParams(0.0), generator=make_generator(0),
-            max_new_tokens=40, drafter=DraftModelDrafter(ModelRunner(draft)),
-            schedule=FixedSchedule(4), eos_token_ids=[eos],
+            ModelRunner(target),
+            ids,
+            params=SamplingParams(0.0),
+            generator=make_generator(0),
+            max_new_tokens=40,
+            drafter=DraftModelDrafter(ModelRunner(draft)),
+            schedule=FixedSchedule(4),
+            eos_token_ids=[eos],
         )
     )
     assert events[-1].finish_reason == "stop"
@@ -127,8 +154,13 @@ def test_max_new_tokens_and_context_window(target, tokenizer) -> None:
     assert len(last.output_ids) == 7
     events = list(
         speculative_generate(
-            ModelRunner(target), ids, params=SamplingParams(0.0), generator=make_generator(0),
-            max_new_tokens=100, drafter=PromptLookupDrafter(), schedule=FixedSchedule(8),
+            ModelRunner(target),
+            ids,
+            params=SamplingParams(0.0),
+            generator=make_generator(0),
+            max_new_tokens=100,
+            drafter=PromptLookupDrafter(),
+            schedule=FixedSchedule(8),
             max_context=len(ids) + 5,
         )
     )
@@ -148,8 +180,22 @@ def test_same_seed_same_tokens(target, draft, tokenizer) -> None:
 
 def test_bad_arguments_are_refused(target) -> None:
     with pytest.raises(ValueError, match="at least one token"):
-        next(speculative_generate(ModelRunner(target), [], params=SamplingParams(0.0),
-                                  generator=make_generator(0), max_new_tokens=3))
+        next(
+            speculative_generate(
+                ModelRunner(target),
+                [],
+                params=SamplingParams(0.0),
+                generator=make_generator(0),
+                max_new_tokens=3,
+            )
+        )
     with pytest.raises(ValueError, match="max_new_tokens"):
-        next(speculative_generate(ModelRunner(target), [1], params=SamplingParams(0.0),
-                                  generator=make_generator(0), max_new_tokens=0))
+        next(
+            speculative_generate(
+                ModelRunner(target),
+                [1],
+                params=SamplingParams(0.0),
+                generator=make_generator(0),
+                max_new_tokens=0,
+            )
+        )

@@ -63,8 +63,12 @@ def sample_counts(target, drafter, params: SamplingParams, k: int) -> np.ndarray
     for seed in range(N):
         events = list(
             speculative_generate(
-                runner, PROMPT, params=params, generator=make_generator(seed),
-                max_new_tokens=STEPS, drafter=drafter() if drafter else None,
+                runner,
+                PROMPT,
+                params=params,
+                generator=make_generator(seed),
+                max_new_tokens=STEPS,
+                drafter=drafter() if drafter else None,
                 schedule=FixedSchedule(k),
             )
         )
@@ -96,7 +100,9 @@ def test_marginals_enumeration_is_a_distribution(small_target) -> None:
 def test_draft_model_sampling_matches_target(small_target, small_draft, k: int) -> None:
     params = SamplingParams(temperature=1.0)
     marginals = exact_marginals(small_target, params)
-    counts = sample_counts(small_target, lambda: DraftModelDrafter(ModelRunner(small_draft)), params, k)
+    counts = sample_counts(
+        small_target, lambda: DraftModelDrafter(ModelRunner(small_draft)), params, k
+    )
     pvalues = chi_square_pvalues(counts, marginals)
     assert min(pvalues) > 1e-3, pvalues
 
@@ -117,6 +123,8 @@ def test_the_check_detects_a_wrong_residual(small_target, small_draft, monkeypat
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, accepted: p)
     params = SamplingParams(temperature=1.0)
     marginals = exact_marginals(small_target, params)
-    counts = sample_counts(small_target, lambda: DraftModelDrafter(ModelRunner(small_draft)), params, 4)
+    counts = sample_counts(
+        small_target, lambda: DraftModelDrafter(ModelRunner(small_draft)), params, 4
+    )
     pvalues = chi_square_pvalues(counts, marginals)
     assert min(pvalues) < 1e-6, pvalues

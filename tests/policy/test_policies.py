@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from specagent import Policy, PolicyError, PolicyNotFoundError, PolicySet, load_policies, load_policy
+from specagent import (
+    Policy,
+    PolicyError,
+    PolicyNotFoundError,
+    PolicySet,
+    load_policies,
+    load_policy,
+)
 
 SHIPPED = Path(__file__).resolve().parents[2] / "policies"
 
@@ -40,7 +47,8 @@ def test_shipped_policies_cover_both_modes_and_several_drafters() -> None:
 def test_valid_file_loads(tmp_path: Path) -> None:
     policy = load_policy(write(tmp_path, "notes", VALID.format(name="notes")))
     assert policy.mode == "relaxed"
-    assert policy.acceptance is not None and policy.acceptance.rule == "typical"
+    assert policy.acceptance is not None
+    assert policy.acceptance.rule == "typical"
     assert policy.relaxed_rule() is not None
 
 
@@ -48,28 +56,49 @@ def test_valid_file_loads(tmp_path: Path) -> None:
     ("text", "expected"),
     [
         ("name: x\ndescription: d\nmode: lossless\nspeed: 11\n", r"field 'speed': unknown field"),
-        ("name: x\ndescription: d\nmode: lossless\ndrafter: {kind: draft_model, k: 3}\n",
-         r"field 'drafter.k': unknown field"),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {kind: draft_model, k: 3}\n",
+            r"field 'drafter.k': unknown field",
+        ),
         ("name: x\ndescription: d\nmode: fast\n", r"field 'mode'.*'lossless' or 'relaxed'.*fast"),
-        ("name: x\ndescription: d\nmode: lossless\nsampling: {temperature: hot}\n",
-         r"field 'sampling.temperature'.*valid number.*hot"),
-        ("name: x\ndescription: d\nmode: lossless\ndrafter: {num_speculative_tokens: 0}\n",
-         r"field 'drafter.num_speculative_tokens'.*greater than or equal to 1"),
-        ("name: x\ndescription: d\nmode: relaxed\ndrafter: {kind: prompt_lookup}\n"
-         "acceptance: {rule: magic}\n", r"field 'acceptance'.*'magic'.*'typical', 'top_k', 'lenience'"),
-        ("name: x\ndescription: d\nmode: relaxed\ndrafter: {kind: prompt_lookup}\n"
-         "acceptance: {rule: top_k, epsilon: 0.3}\n", r"field 'acceptance.epsilon': unknown field"),
-        ("name: x\ndescription: d\nmode: lossless\nacceptance: {rule: typical}\n",
-         r"field 'acceptance': a lossless policy must not have an acceptance block"),
-        ("name: x\ndescription: d\nmode: relaxed\n",
-         r"field 'acceptance': a relaxed policy needs an acceptance block"),
-        ("name: x\ndescription: d\nmode: relaxed\ndrafter: {kind: none}\nacceptance: {rule: typical}\n",
-         r"field 'acceptance': a relaxed policy needs a drafter"),
+        (
+            "name: x\ndescription: d\nmode: lossless\nsampling: {temperature: hot}\n",
+            r"field 'sampling.temperature'.*valid number.*hot",
+        ),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {num_speculative_tokens: 0}\n",
+            r"field 'drafter.num_speculative_tokens'.*greater than or equal to 1",
+        ),
+        (
+            "name: x\ndescription: d\nmode: relaxed\ndrafter: {kind: prompt_lookup}\n"
+            "acceptance: {rule: magic}\n",
+            r"field 'acceptance'.*'magic'.*'typical', 'top_k', 'lenience'",
+        ),
+        (
+            "name: x\ndescription: d\nmode: relaxed\ndrafter: {kind: prompt_lookup}\n"
+            "acceptance: {rule: top_k, epsilon: 0.3}\n",
+            r"field 'acceptance.epsilon': unknown field",
+        ),
+        (
+            "name: x\ndescription: d\nmode: lossless\nacceptance: {rule: typical}\n",
+            r"field 'acceptance': a lossless policy must not have an acceptance block",
+        ),
+        (
+            "name: x\ndescription: d\nmode: relaxed\n",
+            r"field 'acceptance': a relaxed policy needs an acceptance block",
+        ),
+        (
+            "name: x\ndescription: d\nmode: relaxed\ndrafter: {kind: none}\n"
+            "acceptance: {rule: typical}\n",
+            r"field 'acceptance': a relaxed policy needs a drafter",
+        ),
         ("name: x\nmode: lossless\n", r"field 'description': Field required"),
         ("- just\n- a list\n", r"expected a mapping of policy fields, got list"),
     ],
 )
-def test_schema_errors_name_file_field_and_expectation(tmp_path: Path, text: str, expected: str) -> None:
+def test_schema_errors_name_file_field_and_expectation(
+    tmp_path: Path, text: str, expected: str
+) -> None:
     path = write(tmp_path, "x", text)
     with pytest.raises(PolicyError, match=expected) as info:
         load_policy(path)
@@ -90,7 +119,9 @@ def test_yaml_is_data_not_code(tmp_path: Path) -> None:
 
 def test_name_must_match_file_name(tmp_path: Path) -> None:
     path = write(tmp_path, "notes", VALID.format(name="other"))
-    with pytest.raises(PolicyError, match=r"field 'name': expected the file name 'notes', got 'other'"):
+    with pytest.raises(
+        PolicyError, match=r"field 'name': expected the file name 'notes', got 'other'"
+    ):
         load_policy(path)
 
 
@@ -108,7 +139,9 @@ def test_directory_errors(tmp_path: Path) -> None:
 def test_unknown_name_lists_known_names(tmp_path: Path) -> None:
     write(tmp_path, "notes", VALID.format(name="notes"))
     policies = load_policies(tmp_path)
-    with pytest.raises(PolicyNotFoundError, match=r"no policy named 'legl'; known policies: default, notes"):
+    with pytest.raises(
+        PolicyNotFoundError, match=r"no policy named 'legl'; known policies: default, notes"
+    ):
         policies.get("legl")
     with pytest.raises(LookupError):
         policies["legl"]
@@ -122,18 +155,30 @@ def test_routing_by_tags_and_lossless_default(tmp_path: Path) -> None:
     assert policies.route([]).name == "default"
     assert policies.resolve("meeting-notes", ["legal"]).name == "meeting-notes"  # a name wins
     # a tie between a relaxed and a lossless policy goes to the lossless one
-    tie = PolicySet([
-        Policy(name="a-fast", description="d", mode="relaxed",
-               drafter={"kind": "prompt_lookup"}, acceptance={"rule": "typical"},
-               match={"tags": ["shared"]}),
-        Policy(name="b-exact", description="d", mode="lossless", match={"tags": ["shared"]}),
-    ])
+    tie = PolicySet(
+        [
+            Policy(
+                name="a-fast",
+                description="d",
+                mode="relaxed",
+                drafter={"kind": "prompt_lookup"},
+                acceptance={"rule": "typical"},
+                match={"tags": ["shared"]},
+            ),
+            Policy(name="b-exact", description="d", mode="lossless", match={"tags": ["shared"]}),
+        ]
+    )
     assert tie.route(["shared"]).name == "b-exact"
 
 
 def test_default_policy_must_be_lossless() -> None:
-    relaxed_default = Policy(name="default", description="d", mode="relaxed",
-                             drafter={"kind": "prompt_lookup"}, acceptance={"rule": "typical"})
+    relaxed_default = Policy(
+        name="default",
+        description="d",
+        mode="relaxed",
+        drafter={"kind": "prompt_lookup"},
+        acceptance={"rule": "typical"},
+    )
     with pytest.raises(PolicyError, match="default policy must be lossless"):
         PolicySet([relaxed_default])
 
