@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 CHAT_TEMPLATE = (
@@ -15,20 +15,34 @@ CHAT_TEMPLATE = (
 )
 
 
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x + 1",
+    "Hello world, hello there!",
+    '{"name": "Ada", "age": 36, "tags": ["math", "code"]}',
+    "Summarise the meeting notes for the team.",
+    "Your order has shipped and will arrive soon.",
+]
+
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+
+
 def make_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character (printable ASCII and newline) plus specials."""
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    backend.decoder = decoders.Fuse()
+    """A byte-level BPE tokenizer (GPT-2 style) trained here on a few sentences: every byte
+    sequence encodes, and grammar libraries understand it like a real model's tokenizer."""
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(CORPUS * 20, trainer)
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        pad_token="<pad>",
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok
