@@ -46,6 +46,7 @@ from .errors import (
     RuntimeOverloadedError,
     SpecAgentError,
 )
+from .grammar import Constraint, GrammarState, compile_constraint
 from .models import (
     check_draft_compatible,
     context_window,
@@ -82,6 +83,7 @@ class _Request:
     stop: tuple[str, ...]
     seed: int
     explicit_max_tokens: bool
+    grammar: GrammarState | None = None
 
 
 class _Sink:
@@ -480,11 +482,27 @@ class SpecRuntime:
         stop: Sequence[str] | None = None,
         seed: int | None = None,
         timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: Constraint | None = None,
         parent_context: otel_context.Context | None = None,
     ) -> AsyncIterator[StreamChunk]:
-        """Stream a call: text chunks as tokens are accepted; the last chunk has the result."""
+        """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
+
+        ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
+        ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
+        a grammar or a regex, enforced on draft and target alike."""
         request = self._request(
-            prompt, policy, tags, max_new_tokens, temperature, top_p, top_k, stop, seed
+            prompt,
+            policy,
+            tags,
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            stop,
+            seed,
+            tools,
+            constraint,
         )
         call = self._start_span(request, parent_context)
         sink = _AsyncSink()
@@ -560,6 +578,8 @@ class SpecRuntime:
         top_k: int | None,
         stop: Sequence[str] | None,
         seed: int | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: Constraint | None = None,
     ) -> _Request:
         if isinstance(tags, str):
             tags = (tags,)
@@ -586,7 +606,7 @@ class SpecRuntime:
             ) from exc
         if any(not s for s in sampling.stop):
             raise InvalidRequestError("stop strings must be non-empty")
-        prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size)
+        prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size, tools=tools)
         budget = sampling.max_new_tokens
         if self.context_window is not None:
             room = self.context_window - len(prompt_ids)
@@ -616,6 +636,11 @@ class SpecRuntime:
             stop=sampling.stop,
             seed=call_seed,
             explicit_max_tokens="max_new_tokens" in overrides,
+            grammar=(
+                compile_constraint(constraint, self.tokenizer, self.vocab_size, self.eos_token_ids)
+                if constraint is not None
+                else None
+            ),
         )
 
     def _start_span(self, request: _Request, parent: otel_context.Context | None) -> CallSpan:
@@ -654,6 +679,7 @@ class SpecRuntime:
             eos_token_ids=self.eos_token_ids,
             stop_check=stop_check,
             max_context=self.context_window,
+            constraint=request.grammar,
         )
 
     def drafter_kind(self, policy: Policy) -> str:

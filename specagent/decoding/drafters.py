@@ -14,6 +14,7 @@ many of its tokens were accepted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,16 +29,33 @@ __all__ = [
     "EarlyExitDrafter",
     "PromptLookupDrafter",
     "Proposal",
+    "TokenConstraint",
 ]
 
 
 @dataclass(frozen=True)
 class Proposal:
     """Draft tokens and, if the drafter samples, the distribution q of each ``[n, V]``.
-    ``probs is None`` means the tokens were proposed deterministically (q is one-hot)."""
+    ``probs is None`` means the tokens were proposed deterministically (q is one-hot).
+    Under a constraint, ``masks`` holds the allowed-token mask of each drafted position."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    masks: list[torch.Tensor] | None = None
+
+
+class TokenConstraint(Protocol):
+    """A grammar's state over the output so far (see ``specagent.grammar.GrammarState``)."""
+
+    def allowed(self) -> torch.Tensor:
+        """Boolean mask ``[V]`` of the tokens allowed next."""
+        ...
+
+    def consume(self, tokens: Sequence[int]) -> None: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_stopped(self) -> bool: ...
 
 
 EMPTY = Proposal(tokens=[])
@@ -49,9 +67,15 @@ class Drafter(Protocol):
     name: str
 
     def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
     ) -> Proposal:
-        """Up to ``k`` tokens to follow ``context`` (prompt + output so far)."""
+        """Up to ``k`` tokens to follow ``context`` (prompt + output so far). Under a
+        ``constraint``, only allowed tokens, each consumed into it (the loop rolls them back)."""
         ...
 
     def observe(self, proposed: int, accepted: int) -> None:
@@ -75,7 +99,12 @@ class DraftModelDrafter:
         self._cached: list[int] = []
 
     def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
     ) -> Proposal:
         if k <= 0 or not context:
             return EMPTY
@@ -86,16 +115,29 @@ class DraftModelDrafter:
         feed = context[shared:]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
         for step in range(k):
             logits = self.runner.forward(feed, self.cache, keep=1)[-1]
             self._cached.extend(feed)
+            if constraint is not None:
+                mask = constraint.allowed().to(logits.device)
+                if not bool(mask.any()):
+                    break
+                logits = logits.masked_fill(~mask, float("-inf"))
+                masks.append(mask)
             probs = logits_to_probs(logits, params)
             token = int(logits.argmax()) if params.greedy else int(sample(probs, generator))
             tokens.append(token)
             rows.append(probs)
+            if constraint is not None:
+                constraint.consume([token])
+                if constraint.is_stopped():
+                    break
             if step < k - 1:
                 feed = [token]
-        return Proposal(tokens=tokens, probs=torch.stack(rows))
+        if not tokens:
+            return EMPTY
+        return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Nothing to learn: the next ``propose`` crops the cache to the accepted context."""
@@ -123,7 +165,12 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
 
     def propose(
-        self, context: list[int], k: int, params: SamplingParams, generator: torch.Generator
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
     ) -> Proposal:
         if k <= 0:
             return EMPTY
@@ -135,11 +182,28 @@ class PromptLookupDrafter:
                 if context[start : start + n] == tail:
                     follow = context[start + n : start + n + k]
                     if follow:
-                        return Proposal(tokens=list(follow))
+                        return _admissible(list(follow), constraint)
         return EMPTY
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Lookup has no state to update."""
+
+
+def _admissible(tokens: list[int], constraint: TokenConstraint | None) -> Proposal:
+    """The longest prefix of ``tokens`` the constraint allows, consumed into it, with masks."""
+    if constraint is None:
+        return Proposal(tokens=tokens)
+    masks: list[torch.Tensor] = []
+    for token in tokens:
+        mask = constraint.allowed()
+        if not bool(mask[token]):
+            break
+        masks.append(mask)
+        constraint.consume([token])
+        if constraint.is_stopped():
+            break
+    kept = tokens[: len(masks)]
+    return Proposal(tokens=kept, masks=masks) if kept else EMPTY
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
 from .cache import ModelRunner, crop_to
-from .drafters import EMPTY, Drafter
+from .drafters import EMPTY, Drafter, Proposal, TokenConstraint
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 
@@ -103,11 +103,14 @@ def speculative_generate(
     eos_token_ids: Sequence[int] = (),
     stop_check: StopCheck | None = None,
     max_context: int | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> Iterator[DecodeEvent]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``, one step per ``next()``.
 
     ``rule=None`` is lossless. With a rule, ``max_divergence`` bounds the running mean divergence:
-    once it is exceeded, the rest of the call is verified losslessly.
+    once it is exceeded, the rest of the call is verified losslessly. A ``constraint`` (a
+    grammar over the output) masks the draft's and the target's distributions at every position,
+    so exactness holds with respect to the constrained target.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -127,9 +130,15 @@ def speculative_generate(
         # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.
         room = min(max_new_tokens - len(output), limit - len(context))
         k = schedule.next_k(int(min(room - 1, 1 << 30))) if drafter is not None else 0
-        proposal = drafter.propose(context, k, params, generator) if k > 0 and drafter else EMPTY
+        if k > 0 and drafter is not None:
+            proposal = drafter.propose(context, k, params, generator, constraint)
+        else:
+            proposal = EMPTY
         proposed = len(proposal.tokens)
+        masks = _masks_and_rewind(constraint, proposal) if constraint is not None else None
         logits = target.forward([context[-1], *proposal.tokens], cache)  # [k+1, V]
+        if masks is not None:
+            logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
         verdict = _verify(proposal.tokens, proposal.probs, logits, params, rule, generator)
         crop_to(cache, len(context) + verdict.num_accepted)
         counters.record(proposed, verdict)
@@ -147,6 +156,10 @@ def speculative_generate(
                 new, finish = new[:i], "stop"
                 break
         new = new[: max_new_tokens - len(output)]
+        if constraint is not None:
+            new = _consume_until_complete(constraint, new)
+            if constraint.is_stopped():
+                finish = "stop"
         output.extend(new)
         context.extend(new)
         if finish is None and stop_check is not None:
@@ -160,6 +173,32 @@ def speculative_generate(
             yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
             return
         yield DecodeEvent(new, counters)
+
+
+def _masks_and_rewind(constraint: TokenConstraint, proposal: Proposal) -> torch.Tensor:
+    """``[k+1, V]`` allowed-token masks: the drafted positions' (from the drafter, which consumed
+    its tokens into the constraint) and the bonus position's; then the constraint is rolled back
+    to the accepted context, since the target has not yet decided on any draft token."""
+    rows = list(proposal.masks or [])
+    if constraint.is_stopped():
+        # The drafts completed the grammar: whatever comes after them is cut off, so the bonus
+        # row only needs to be a valid distribution.
+        rows.append(torch.ones_like(rows[-1]))
+    else:
+        rows.append(constraint.allowed())
+        if not bool(rows[-1].any()):
+            raise RuntimeError("the grammar allows no token here; it cannot be completed")
+    constraint.rollback(len(proposal.tokens))
+    return torch.stack(rows)
+
+
+def _consume_until_complete(constraint: TokenConstraint, tokens: list[int]) -> list[int]:
+    """Feed emitted tokens to the constraint; drop any that follow the grammar's completion."""
+    for i, token in enumerate(tokens):
+        if constraint.is_stopped():
+            return tokens[:i]
+        constraint.consume([token])
+    return tokens
 
 
 def _verify(

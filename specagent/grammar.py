@@ -1,0 +1,159 @@
+"""Constrained output with llguidance: JSON schemas and objects, Lark grammars, regexes, tools.
+
+A ``Constraint`` says what the output must match. The runtime compiles it for its tokenizer into
+a ``GrammarState`` (an llguidance matcher), which the decoding loop asks for the mask of allowed
+tokens at each position. The mask is applied to the draft's and the target's distributions alike,
+and rejected draft tokens are rolled back out of the matcher, so a lossless policy stays exactly
+lossless with respect to the *constrained* target.
+
+llguidance is an optional dependency (``pip install "specagent[grammar]"``), imported lazily.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequestError
+
+__all__ = ["Constraint", "GrammarState", "compile_constraint"]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a call's output must match. Build with the class methods."""
+
+    kind: str
+    spec: str
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any]) -> Constraint:
+        """Output is one JSON value valid for ``schema``."""
+        return cls("json_schema", json.dumps(dict(schema)))
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Output is one JSON object (any keys)."""
+        return cls("json_schema", json.dumps({"type": "object"}))
+
+    @classmethod
+    def lark(cls, grammar: str) -> Constraint:
+        """Output matches a Lark grammar (llguidance's dialect, ``%json {...}`` included)."""
+        return cls("lark", grammar)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        return cls("regex", pattern)
+
+    @classmethod
+    def tool_call(cls, tools: Sequence[Mapping[str, Any]]) -> Constraint:
+        """Output is one call of one of ``tools`` (OpenAI function format) as plain JSON:
+        ``{"name": "<tool>", "arguments": {...valid for its parameters...}}``."""
+        options = []
+        for tool in tools:
+            function = tool.get("function", tool)
+            parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+            options.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        if not options:
+            raise InvalidRequestError("a tool call constraint needs at least one tool")
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return cls("json_schema", json.dumps(schema))
+
+
+class GrammarState:
+    """One call's matcher: allowed-token masks, consume, roll back."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """Boolean mask ``[V]`` of the tokens allowed next."""
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        if mask.shape[0] < self.vocab_size:  # logits wider than the tokenizer: padding ids
+            mask = np.concatenate([mask, np.zeros(self.vocab_size - mask.shape[0], dtype=bool)])
+        return torch.from_numpy(mask)
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        if tokens and not self._matcher.consume_tokens(list(tokens)):
+            msg = f"the grammar rejected generated tokens: {self._matcher.get_error()}"
+            raise RuntimeError(msg)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def is_stopped(self) -> bool:
+        """The grammar is complete and allows nothing more (the call should end)."""
+        return bool(self._matcher.is_stopped())
+
+    def is_accepting(self) -> bool:
+        return bool(self._matcher.is_accepting())
+
+
+# JSON as ``json.dumps`` writes it (and as models are trained to): no free whitespace, so a weak
+# model cannot wander off into endless blanks and every output is one compact JSON value.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        msg = 'constrained output needs llguidance: pip install "specagent[grammar]"'
+        raise InvalidRequestError(msg) from exc
+    return llguidance
+
+
+def compile_constraint(
+    constraint: Constraint, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]
+) -> GrammarState:
+    """A fresh matcher for ``constraint``; the tokenizer conversion is cached (it takes ~1 s)."""
+    llg = _llguidance()
+    if tokenizer is None:
+        raise InvalidRequestError("constrained output needs the runtime's tokenizer")
+    with _LOCK:
+        lltok = _TOKENIZERS.get(tokenizer)
+        if lltok is None:
+            try:
+                lltok = llg.hf.from_tokenizer(
+                    tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
+                )
+            except ValueError as exc:
+                msg = f"llguidance cannot use this tokenizer: {exc}"
+                raise InvalidRequestError(msg) from exc
+            _TOKENIZERS[tokenizer] = lltok
+    try:
+        if constraint.kind == "json_schema":
+            grammar = llg.LLMatcher.grammar_from_json_schema(constraint.spec, defaults=_JSON_STYLE)
+        elif constraint.kind == "lark":
+            grammar = llg.LLMatcher.grammar_from_lark(constraint.spec)
+        elif constraint.kind == "regex":
+            grammar = llg.LLMatcher.grammar_from_regex(constraint.spec)
+        else:
+            raise InvalidRequestError(f"unknown constraint kind {constraint.kind!r}")
+    except ValueError as exc:
+        raise InvalidRequestError(f"invalid {constraint.kind} constraint: {exc}") from exc
+    matcher = llg.LLMatcher(lltok, grammar, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequestError(f"invalid {constraint.kind} constraint: {matcher.get_error()}")
+    return GrammarState(matcher, vocab_size)
