@@ -6,12 +6,16 @@ model gets the format it was trained on.
 
 from __future__ import annotations
 
+import json
+import re
+import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidRequestError
 
-__all__ = ["Prompt", "render_prompt"]
+__all__ = ["ParsedOutput", "Prompt", "ToolCall", "parse_tool_calls", "render_prompt"]
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
@@ -93,3 +97,83 @@ def _render_messages(
         else rendered
     )
     return [int(x) for x in ids]
+
+
+# --------------------------------------------------------------------------- tool calls
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A model's reply split into its text and the tool calls it made."""
+
+    content: str
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+TOOL_CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+"""Text that starts a tool call in the formats parsed here (Hermes/Qwen, Mistral, Llama 3.1)."""
+
+
+def parse_tool_calls(text: str, tool_names: Sequence[str] | None = None) -> ParsedOutput:
+    """Find tool calls in a model's output.
+
+    Formats: Hermes/Qwen (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, several
+    allowed), Mistral (``[TOOL_CALLS] [{...}]``), Llama 3.1 (``<|python_tag|>{...}``), and a plain
+    JSON object or list of objects (optionally in a ```json fence) with ``name`` and
+    ``arguments`` (or ``parameters``). A plain-JSON call must name one of ``tool_names`` (when
+    given), so ordinary JSON answers are not mistaken for calls.
+    """
+    calls: list[ToolCall] = []
+    if "<tool_call>" in text:
+        for body in _HERMES.findall(text):
+            calls.extend(_calls_from_json(body, tool_names=None, start=len(calls)))
+        if calls:
+            content = text[: text.index("<tool_call>")].strip()
+            return ParsedOutput(content=content, tool_calls=calls)
+    for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
+        if marker in text:
+            head, _, body = text.partition(marker)
+            calls = _calls_from_json(body.strip(), tool_names=None, start=0)
+            if calls:
+                return ParsedOutput(content=head.strip(), tool_calls=calls)
+    stripped = text.strip()
+    fenced = _FENCE.match(stripped)
+    body = fenced.group(1) if fenced else stripped
+    if body.startswith(("{", "[")):
+        calls = _calls_from_json(body, tool_names=tool_names, start=0)
+        if calls:
+            return ParsedOutput(content="", tool_calls=calls)
+    return ParsedOutput(content=text)
+
+
+def _calls_from_json(body: str, tool_names: Sequence[str] | None, start: int) -> list[ToolCall]:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    items = data if isinstance(data, list) else [data]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return []
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if isinstance(arguments, str):  # some models double-encode
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return []
+        if not isinstance(arguments, dict):
+            return []
+        if tool_names is not None and item["name"] not in tool_names:
+            return []
+        calls.append(ToolCall(item["name"], arguments, f"call_{uuid.uuid4().hex[:24]}"))
+    return calls

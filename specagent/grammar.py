@@ -34,9 +34,11 @@ class Constraint:
     spec: str
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any]) -> Constraint:
-        """Output is one JSON value valid for ``schema``."""
-        return cls("json_schema", json.dumps(dict(schema)))
+    def json_schema(cls, schema: Mapping[str, Any], strict: bool = False) -> Constraint:
+        """Output is one JSON value valid for ``schema``. ``strict``: objects that do not say
+        otherwise get ``additionalProperties: false`` (no invented keys), as in strict
+        function calling."""
+        return cls("json_schema", json.dumps(_strict(dict(schema)) if strict else dict(schema)))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -59,7 +61,7 @@ class Constraint:
         options = []
         for tool in tools:
             function = tool.get("function", tool)
-            parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+            parameters = _strict(dict(function.get("parameters") or {"type": "object"}))
             options.append(
                 {
                     "type": "object",
@@ -72,6 +74,18 @@ class Constraint:
             raise InvalidRequestError("a tool call constraint needs at least one tool")
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         return cls("json_schema", json.dumps(schema))
+
+
+def _strict(schema: Any) -> Any:
+    """A copy of ``schema`` whose objects default to ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _strict(value) for key, value in schema.items()}
+    if out.get("type") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarState:

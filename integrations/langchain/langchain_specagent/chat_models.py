@@ -1,0 +1,598 @@
+"""ChatSpecAgent: a LangChain chat model on a specagent runtime."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
+from typing import Any, Literal
+
+import anyio
+from anyio.from_thread import start_blocking_portal
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.exceptions import OutputParserException
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.chat_models import (
+    BaseChatModel,
+    LangSmithParams,
+    agenerate_from_stream,
+    generate_from_stream,
+)
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import (
+    JsonOutputKeyToolsParser,
+    PydanticToolsParser,
+)
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from opentelemetry import context as otel_context
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+
+from specagent import GenerationError, RuntimeOverloadedError, SpecRuntime
+from specagent.chat import TOOL_CALL_MARKERS, parse_tool_calls
+from specagent.grammar import Constraint
+
+__all__ = ["ChatSpecAgent"]
+
+POLICY_METADATA_KEY = "specagent_policy"
+"""``config={"metadata": {"specagent_policy": "legal-drafting"}}`` picks a call's policy."""
+
+
+class ChatSpecAgent(BaseChatModel):
+    """Chat model on a local model with speculative decoding, governed by specagent policies.
+
+    Setup:
+        ``pip install -e ".[dev]"`` in the specagent repository (or ``specagent[langchain]``).
+
+    Instantiate (sharing one runtime between many chat models, one per default policy):
+        .. code-block:: python
+
+            from specagent import SpecRuntime
+            from langchain_specagent import ChatSpecAgent
+
+            runtime = SpecRuntime.from_pretrained("/models/target", draft="/models/draft",
+                                                  policies="policies/")
+            customer = ChatSpecAgent(runtime=runtime, policy="customer-reply")
+            notes = ChatSpecAgent(runtime=runtime, policy="internal-summary", temperature=0.7)
+
+        or from model paths, owning its runtime (built on first use):
+        ``ChatSpecAgent(target="/models/target", policies="policies/")``.
+
+    Invoke:
+        .. code-block:: python
+
+            msg = customer.invoke([("system", "Be kind."), ("human", "Where is my parcel?")])
+            msg.usage_metadata                   # input/output/total tokens
+            msg.response_metadata["specagent"]   # policy, mode, acceptance, divergence, ...
+
+    Per-call policy:
+        .. code-block:: python
+
+            customer.invoke("...", config={"metadata": {"specagent_policy": "legal-drafting"}})
+            customer.invoke("...", config={"tags": ["summary", "internal"]})  # routed by tags
+
+    Stream / Async / Batch:
+        ``for chunk in customer.stream("Hi")``, ``await customer.ainvoke("Hi")``,
+        ``async for chunk in customer.astream("Hi")``, ``customer.batch([...])``,
+        ``await customer.abatch([...])``: all through the runtime's one async core.
+
+    Tool calling:
+        .. code-block:: python
+
+            agent_model = customer.bind_tools([get_order_status], tool_choice="any")
+            agent_model.invoke("Where is order 42?").tool_calls
+
+        ``tool_choice`` "any"/"required" or a tool name is enforced by constrained decoding:
+        the call is well formed and its arguments valid for the tool's schema.
+
+    Structured output:
+        ``customer.with_structured_output(Order)`` (``method`` "json_schema",
+        "function_calling" or "json_mode"; ``include_raw=True`` keeps the message).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    runtime: Any = Field(default=None, exclude=True)
+    """A shared ``SpecRuntime``. Without one, ``target`` is loaded on first use."""
+    target: str | None = None
+    """Path or hub id of the target model, when this chat model owns its runtime."""
+    draft: str | None = None
+    """Path or hub id of the draft model (optional), when this chat model owns its runtime."""
+    policies: str | None = None
+    """Policy directory for an owned runtime (default: the built-in lossless policy only)."""
+    device: str = "auto"
+    dtype: str = "auto"
+    policy: str | None = None
+    """Default policy name; a call's config metadata (``specagent_policy``) or tags override it."""
+    model_name: str | None = Field(default=None, alias="model")
+    """Name reported to LangSmith and in response metadata (default: the runtime's)."""
+    temperature: float | None = None
+    """Overrides the policy's temperature (never its mode)."""
+    top_p: float | None = None
+    max_tokens: int | None = None
+    """Most new tokens per call (the policy's ``max_new_tokens`` when unset)."""
+    stop: list[str] | None = Field(default=None, alias="stop_sequences")
+    timeout: float | None = None
+    """Seconds per call, queueing included."""
+    max_retries: int = 2
+    """Retries when the runtime is overloaded or a decoding step failed, before any output."""
+    seed: int | None = None
+    streaming: bool = False
+    """Kept for compatibility with LangChain's ``streaming=True``; ``invoke`` always works."""
+
+    _owned_runtime: SpecRuntime | None = PrivateAttr(default=None)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    @model_validator(mode="after")
+    def _needs_a_model(self) -> ChatSpecAgent:
+        if self.runtime is None and self.target is None:
+            raise ValueError("ChatSpecAgent needs runtime=SpecRuntime(...) or target='<path>'")
+        if self.runtime is not None and not isinstance(self.runtime, SpecRuntime):
+            raise ValueError(f"runtime must be a SpecRuntime, got {type(self.runtime).__name__}")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        return self
+
+    # ------------------------------------------------------------------ LangChain hooks
+
+    @property
+    def _llm_type(self) -> str:
+        return "specagent"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self._model_name(),
+            "policy": self.policy,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="specagent",
+            ls_model_name=kwargs.get("model") or self._model_name(),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+        )
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        stops = stop or kwargs.get("stop") or self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
+        return params
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return self._with_llm_output(
+            generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        )
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return self._with_llm_output(
+            await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
+        )
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        call = self._call_spec(messages, stop, run_manager, kwargs)
+        async for chunk in self._chunks(call):
+            if run_manager is not None and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        call = self._call_spec(messages, stop, run_manager, kwargs)
+        call["parent_context"] = otel_context.get_current()
+        with start_blocking_portal() as portal:
+            chunks = self._chunks(call)
+            try:
+                while True:
+                    try:
+                        chunk = portal.call(chunks.__anext__)
+                    except StopAsyncIteration:
+                        return
+                    if run_manager is not None and chunk.text:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+            finally:
+                portal.call(chunks.aclose)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ tools and structure
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: dict[str, Any] | str | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (anything LangChain converts to an OpenAI tool). ``tool_choice``: "auto"
+        (default), "none", "any"/"required"/True (some tool must be called), or a tool name."""
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        names = [t["function"]["name"] for t in formatted]
+        if isinstance(tool_choice, dict):
+            tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
+        if tool_choice is True:
+            tool_choice = "any"
+        keywords = {"auto", "none", "any", "required"}
+        if isinstance(tool_choice, str) and tool_choice not in keywords | set(names):
+            msg = f"tool_choice {tool_choice!r} is not one of the bound tools: {names}"
+            raise ValueError(msg)
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["function_calling", "json_mode", "json_schema"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """Output parsed into ``schema`` (a pydantic class, TypedDict or JSON schema). With
+        "json_schema" (default) and "function_calling" the output is valid by constrained
+        decoding; "json_mode" guarantees a JSON object. ``strict`` is accepted for API
+        compatibility: constrained decoding is always strict."""
+        if kwargs:
+            raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser: Runnable[Any, Any]
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema")
+            tool = convert_to_openai_tool(schema)
+            name = tool["function"]["name"]
+            llm = self.bind_tools(
+                [schema],
+                tool_choice=name,
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": tool},
+            )
+            if is_pydantic:
+                parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+            else:
+                parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+        elif method == "json_schema":
+            if schema is None:
+                raise ValueError("method='json_schema' needs a schema")
+            json_schema = convert_to_json_schema(schema)
+            llm = self.bind(
+                response_format={"type": "json_schema", "json_schema": {"schema": json_schema}},
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema},
+            )
+            parser = _json_parser(schema, is_pydantic)
+        elif method == "json_mode":
+            llm = self.bind(
+                response_format={"type": "json_object"},
+                ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
+            )
+            parser = _json_parser(schema, is_pydantic)
+        else:
+            msg = f"unknown method {method!r}; expected json_schema, function_calling or json_mode"
+            raise ValueError(msg)
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(
+            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
+        ).with_fallbacks(
+            [RunnablePassthrough.assign(parsed=lambda _: None)], exception_key="parsing_error"
+        )
+        return RunnableMap(raw=llm) | parsed
+
+    # ------------------------------------------------------------------ the one async core
+
+    def _runtime(self) -> SpecRuntime:
+        if self.runtime is not None:
+            return self.runtime  # type: ignore[no-any-return]
+        with self._lock:
+            if self._owned_runtime is None:
+                assert self.target is not None
+                self._owned_runtime = SpecRuntime.from_pretrained(
+                    self.target,
+                    draft=self.draft,
+                    policies=self.policies,
+                    device=self.device,
+                    dtype=self.dtype,
+                    model_name=self.model_name,
+                )
+            return self._owned_runtime
+
+    def _model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.runtime is not None:
+            return str(self.runtime.model_name)
+        return str(self.target)
+
+    def _call_spec(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+        kwargs: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Everything a call needs, translated from LangChain's arguments."""
+        metadata = dict(getattr(run_manager, "metadata", None) or {})
+        tags = list(getattr(run_manager, "tags", None) or [])
+        policy = kwargs.pop("policy", None) or metadata.get(POLICY_METADATA_KEY) or None
+        if policy is None and not tags:
+            policy = self.policy
+        elif policy is None and self.policy is not None:
+            # A default policy on the model applies unless the run's tags route elsewhere.
+            routed = self._runtime().policies.route(tags)
+            policy = routed.name if routed.match.tags else self.policy
+        tools = kwargs.pop("tools", None)
+        tool_choice = kwargs.pop("tool_choice", None)
+        response_format = kwargs.pop("response_format", None)
+        kwargs.pop("ls_structured_output_format", None)
+        kwargs.pop("model", None)
+        stops = list(stop or []) + list(kwargs.pop("stop", None) or []) + list(self.stop or [])
+        options = {
+            "temperature": kwargs.pop("temperature", self.temperature),
+            "top_p": kwargs.pop("top_p", self.top_p),
+            "max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
+            "seed": kwargs.pop("seed", self.seed),
+            "timeout": kwargs.pop("timeout", self.timeout),
+        }
+        if kwargs:
+            raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
+        if tool_choice == "none":
+            tools = None
+        constraint = _constraint_for(tools, tool_choice, response_format)
+        return {
+            "prompt": [_to_chat_message(m) for m in messages],
+            "policy": policy,
+            "tags": tags,
+            "stop": sorted(set(stops)) or None,
+            "tools": tools,
+            "constraint": constraint,
+            "tool_names": [t["function"]["name"] for t in tools] if tools else None,
+            "forced_tool": constraint is not None and tools is not None,
+            **{k: v for k, v in options.items() if v is not None},
+        }
+
+    async def _chunks(self, call: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
+        """Run one call on the runtime and translate its chunks. Retries happen only before
+        any output was produced, so a stream never repeats itself."""
+        call = dict(call)
+        tool_names = call.pop("tool_names")
+        forced_tool = call.pop("forced_tool")
+        prompt = call.pop("prompt")
+        watch_for_tools = tool_names is not None
+        runtime = self._runtime()
+        attempt = 0
+        while True:
+            started = False
+            held: list[str] = []
+            holding = forced_tool
+            try:
+                async for chunk in runtime.stream(prompt, **call):
+                    if chunk.result is None:
+                        text = chunk.text
+                        if not text:
+                            continue
+                        started = True
+                        if watch_for_tools and not holding:
+                            holding = _may_start_tool_call("".join(held) + text)
+                        if holding:
+                            held.append(text)
+                            continue
+                        yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+                        continue
+                    if (
+                        call.get("constraint") is not None
+                        and chunk.result.finish_reason == "length"
+                    ):
+                        msg = (
+                            "the constrained output did not complete within "
+                            f"{chunk.result.usage.output_tokens} tokens; raise max_tokens"
+                        )
+                        raise OutputParserException(msg, llm_output=chunk.result.text)
+                    yield self._final_chunk(chunk.result, chunk.text, held, tool_names)
+                    return
+            except (RuntimeOverloadedError, GenerationError):
+                attempt += 1
+                if started or attempt > self.max_retries:
+                    raise
+                await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+
+    def _final_chunk(
+        self, result: Any, tail: str, held: list[str], tool_names: list[str] | None
+    ) -> ChatGenerationChunk:
+        stats = result.stats
+        content = "".join(held) + tail
+        tool_call_chunks = []
+        if tool_names is not None and content:
+            parsed = parse_tool_calls(content, tool_names)
+            if parsed.tool_calls:
+                content = parsed.content
+                tool_call_chunks = [
+                    tool_call_chunk(name=c.name, args=_json(c.arguments), id=c.id, index=i)
+                    for i, c in enumerate(parsed.tool_calls)
+                ]
+        finish_reason = "tool_calls" if tool_call_chunks else result.finish_reason
+        message = AIMessageChunk(
+            content=content,
+            tool_call_chunks=tool_call_chunks,
+            usage_metadata=UsageMetadata(
+                input_tokens=result.usage.input_tokens,
+                output_tokens=result.usage.output_tokens,
+                total_tokens=result.usage.total_tokens,
+            ),
+            response_metadata={
+                "model_name": self._model_name(),
+                "model_provider": "specagent",
+                "finish_reason": finish_reason,
+                "specagent": {
+                    "policy": stats.policy,
+                    "mode": stats.mode,
+                    "seed": result.seed,
+                    **stats.as_dict(),
+                },
+            },
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(
+            message=message,
+            generation_info={
+                "finish_reason": finish_reason,
+                "token_usage": {
+                    "prompt_tokens": result.usage.input_tokens,
+                    "completion_tokens": result.usage.output_tokens,
+                    "total_tokens": result.usage.total_tokens,
+                },
+                "model_name": self._model_name(),
+            },
+        )
+
+    def _with_llm_output(self, result: ChatResult) -> ChatResult:
+        """``llm_output`` with token usage, as OpenAI-style integrations report it."""
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for generation in result.generations:
+            metadata = getattr(generation.message, "usage_metadata", None) or {}
+            usage["prompt_tokens"] += metadata.get("input_tokens", 0)
+            usage["completion_tokens"] += metadata.get("output_tokens", 0)
+            usage["total_tokens"] += metadata.get("total_tokens", 0)
+        result.llm_output = {"token_usage": usage, "model_name": self._model_name()}
+        return result
+
+    def _combine_llm_outputs(self, llm_outputs: list[dict[str, Any] | None]) -> dict[str, Any]:
+        """``llm_output`` with summed token usage (what OpenLLMetry and callbacks read)."""
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for output in llm_outputs:
+            for key, value in ((output or {}).get("token_usage") or {}).items():
+                usage[key] = usage.get(key, 0) + value
+        return {"token_usage": usage, "model_name": self._model_name()}
+
+
+# --------------------------------------------------------------------------- translation helpers
+
+
+def _json_parser(schema: Any, is_pydantic: bool) -> Runnable[Any, Any]:
+    if is_pydantic:
+        return PydanticOutputParser(pydantic_object=schema)
+    return JsonOutputParser()
+
+
+def _may_start_tool_call(text: str) -> bool:
+    """Whether streamed text may be (the start of) a tool call, so it is held back until the
+    end of the call rather than shown as content."""
+    stripped = text.lstrip()
+    if not stripped:
+        return False
+    if stripped[0] in "{[`":
+        return True
+    return any(marker in text or marker.startswith(stripped) for marker in TOOL_CALL_MARKERS)
+
+
+def _constraint_for(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    response_format: Mapping[str, Any] | None,
+) -> Constraint | None:
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            return Constraint.json_schema(spec.get("schema", spec), strict=True)
+        raise ValueError(f"response_format type must be json_object or json_schema, got {kind!r}")
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice in ("any", "required"):
+        return Constraint.tool_call(tools)
+    chosen = [t for t in tools if t["function"]["name"] == tool_choice]
+    if not chosen:
+        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool")
+    return Constraint.tool_call(chosen)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content or []:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") in {"tool_use", "tool_call"}:
+            continue  # carried by tool_calls
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"ChatSpecAgent takes text content only; got a {kind!r} block")
+    return "".join(parts)
+
+
+def _to_chat_message(message: BaseMessage) -> dict[str, Any]:
+    """LangChain message -> the dict a Hugging Face chat template expects."""
+    text = _content_text(message.content)
+    if isinstance(message, SystemMessage):
+        return {"role": "system", "content": text}
+    if isinstance(message, HumanMessage):
+        return {"role": "user", "content": text}
+    if isinstance(message, AIMessage):
+        out: dict[str, Any] = {"role": "assistant", "content": text}
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": call.get("id"),
+                    "function": {"name": call["name"], "arguments": call["args"]},
+                }
+                for call in message.tool_calls
+            ]
+        return out
+    if isinstance(message, ToolMessage):
+        return {
+            "role": "tool",
+            "content": text,
+            "tool_call_id": message.tool_call_id,
+            "name": getattr(message, "name", None),
+        }
+    if isinstance(message, ChatMessage):
+        return {"role": message.role, "content": text}
+    raise ValueError(f"unsupported message type {type(message).__name__}")
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value)

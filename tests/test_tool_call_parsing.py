@@ -1,0 +1,54 @@
+"""Tool calls parsed from outputs recorded in real models' formats."""
+
+from __future__ import annotations
+
+from specagent.chat import parse_tool_calls
+
+# Qwen2.5-Instruct (Hermes format), as its chat template instructs it to answer.
+QWEN = (
+    '<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Paris, France", '
+    '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+    '{"zone": "CET"}}\n</tool_call>'
+)
+# Hermes-2-Pro with a preamble.
+HERMES = (
+    'Let me look that up.\n<tool_call>\n{"arguments": {"symbol": "TSLA"}, '
+    '"name": "get_stock_fundamentals"}\n</tool_call>'
+)
+# Llama 3.1 JSON tool calling ("parameters"), and with the python tag.
+LLAMA = '{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA"}}'
+LLAMA_TAG = '<|python_tag|>{"name": "brave_search", "parameters": {"query": "weather"}}'
+# Mistral v0.3.
+MISTRAL = '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}]'
+# Some models emit arguments as a JSON string, inside a markdown fence.
+FENCED = '```json\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n```'
+
+
+def test_qwen_parallel_calls() -> None:
+    parsed = parse_tool_calls(QWEN)
+    assert [c.name for c in parsed.tool_calls] == ["get_current_weather", "get_time"]
+    assert parsed.tool_calls[0].arguments == {"location": "Paris, France", "unit": "celsius"}
+    assert parsed.content == ""
+    assert len({c.id for c in parsed.tool_calls}) == 2
+
+
+def test_hermes_keeps_the_preamble_as_content() -> None:
+    parsed = parse_tool_calls(HERMES)
+    assert parsed.content == "Let me look that up."
+    assert parsed.tool_calls[0].arguments == {"symbol": "TSLA"}
+
+
+def test_llama_and_mistral_formats() -> None:
+    assert parse_tool_calls(LLAMA, ["get_current_conditions"]).tool_calls[0].arguments == {
+        "location": "San Francisco, CA"
+    }
+    assert parse_tool_calls(LLAMA_TAG).tool_calls[0].name == "brave_search"
+    assert parse_tool_calls(MISTRAL).tool_calls[0].arguments == {"a": 2, "b": 3}
+    assert parse_tool_calls(FENCED, ["add"]).tool_calls[0].arguments == {"a": 1, "b": 2}
+
+
+def test_plain_json_answers_are_not_mistaken_for_calls() -> None:
+    answer = '{"name": "Ada Lovelace", "arguments": {"born": 1815}}'
+    assert parse_tool_calls(answer, ["add"]).tool_calls == []
+    assert parse_tool_calls("The answer is 5.").content == "The answer is 5."
+    assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>").tool_calls == []
