@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import sniffio
 import torch
 from anyio.from_thread import start_blocking_portal
 from opentelemetry import context as otel_context
@@ -117,7 +116,7 @@ class _AsyncSink(_Sink):
 
 def _loop_waker() -> Callable[[Callable[[], None]], None]:
     """A function that schedules a callback on the current event loop from any thread."""
-    library = sniffio.current_async_library()
+    library = _current_async_library()
     if library == "trio":
         import trio
 
@@ -755,10 +754,28 @@ async def _call_generate(
     return await runtime.generate(prompt, **kwargs)
 
 
-def _refuse_inside_event_loop(name: str, async_name: str) -> None:
+def _current_async_library() -> str | None:
+    """``"asyncio"`` or ``"trio"`` when called inside that event loop, else None."""
+    import asyncio
+
     try:
-        sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
+        asyncio.get_running_loop()
+        return "asyncio"
+    except RuntimeError:
+        pass
+    try:
+        import trio
+    except ImportError:
+        return None
+    try:
+        trio.lowlevel.current_task()
+        return "trio"
+    except RuntimeError:
+        return None
+
+
+def _refuse_inside_event_loop(name: str, async_name: str) -> None:
+    if _current_async_library() is None:
         return
     msg = f"{name}() blocks; inside async code use `await runtime.{async_name}(...)` instead"
     raise RuntimeError(msg)

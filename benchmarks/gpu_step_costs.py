@@ -1,0 +1,316 @@
+"""GPU benchmark in one go: step costs, predicted speed-up, and loop overhead against
+transformers' assisted generation, on a real draft/target architecture pair.
+
+Only ~64 MiB travels to the GPU machine, so weights are random: models are built from the real
+configs of Qwen2.5-7B-Instruct (target) and Qwen2.5-0.5B-Instruct (draft), in bf16. Timings of
+forwards do not depend on the weights' values; acceptance does, so it is controlled instead:
+
+1. step costs: target forward over n = 1..9 new tokens after a 512-token context, draft step;
+2. the speed-up these costs predict for per-token acceptance a = 0.5..0.9 (best k per a);
+3. loop overhead: with the target as its own draft (acceptance 1.0) and with the random 0.5B
+   draft (acceptance ~0), tokens/s of plain ``generate``, transformers assisted generation and
+   specagent, same prompts, same process; plus prompt lookup on a repetitive prompt;
+4. greedy equality of specagent's output with plain greedy decoding.
+
+    python benchmarks/gpu_step_costs.py --out benchmarks/results/gpu_h200.json
+    python benchmarks/gpu_step_costs.py --tiny   # a CPU smoke run of the same code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specagent.decoding.cache import ModelRunner, crop_to
+from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specagent.decoding.loop import speculative_generate
+from specagent.decoding.sampling import SamplingParams, make_generator
+from specagent.decoding.schedule import (
+    AdaptiveSchedule,
+    CostModel,
+    FixedSchedule,
+    expected_tokens,
+    measure_costs,
+)
+
+# Real configs (config.json of the Qwen2.5 instruct checkpoints), written out: no hub here.
+QWEN_7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+QWEN_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+TINY_TARGET = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+}
+TINY_DRAFT = dict(TINY_TARGET, num_hidden_layers=1)
+
+
+def build(config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**config, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Any, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_costs(target: Any, draft: Any, device: torch.device, context: int, repeats: int) -> dict:
+    t_runner, d_runner = (
+        ModelRunner(target),
+        ModelRunner(draft, vocab_size=ModelRunner(target).vocab_size),
+    )
+    prompt = torch.randint(3, 1000, (context,)).tolist()
+
+    def forward_cost(runner: ModelRunner, n: int) -> float:
+        cache = runner.new_cache()
+        runner.forward(prompt, cache, keep=1)
+        new = prompt[:n]
+
+        def once() -> None:
+            runner.forward(new, cache)
+            crop_to(cache, context)
+
+        return timed(once, device, repeats)
+
+    target_ms = {n: 1000 * forward_cost(t_runner, n) for n in range(1, 10)}
+    draft_ms = 1000 * forward_cost(d_runner, 1)
+    unit = target_ms[1]
+    costs = CostModel(
+        draft_step=draft_ms / unit, verify=tuple(target_ms[n] / unit for n in range(1, 10))
+    )
+    predicted = {}
+    for a in (0.5, 0.6, 0.7, 0.8, 0.9):
+        rates = {k: expected_tokens(a, k) / costs.step_cost(k) for k in range(0, 9)}
+        best = max(rates, key=lambda k: rates[k])
+        predicted[str(a)] = {
+            "best_k": best,
+            "speedup_vs_plain": round(rates[best], 3),
+            "speedup_k4": round(rates[4], 3),
+        }
+    return {
+        "context_tokens": context,
+        "target_forward_ms": {str(n): round(v, 3) for n, v in target_ms.items()},
+        "target_forward_relative": {str(n): round(v / unit, 3) for n, v in target_ms.items()},
+        "draft_step_ms": round(draft_ms, 3),
+        "draft_step_relative": round(draft_ms / unit, 3),
+        "predicted": predicted,
+        "measured_cost_model": {"draft_step": costs.draft_step, "verify": list(costs.verify)},
+    }
+
+
+def hf_generate(model: Any, ids: list[int], new: int, **kwargs: Any) -> list[int]:
+    inputs = torch.tensor([ids], device=model.device)
+    out = model.generate(
+        inputs,
+        attention_mask=torch.ones_like(inputs),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        **kwargs,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def spec_generate(
+    target_runner: ModelRunner, ids: list[int], new: int, drafter: Any, schedule: Any
+) -> tuple[list[int], Any]:
+    events = list(
+        speculative_generate(
+            target_runner,
+            ids,
+            params=SamplingParams(0.0),
+            generator=make_generator(0, target_runner.device),
+            max_new_tokens=new,
+            drafter=drafter,
+            schedule=schedule,
+        )
+    )
+    return events[-1].output_ids, events[-1].counters
+
+
+def loop_overhead(target: Any, draft: Any, device: torch.device, new: int, repeats: int) -> dict:
+    vocab = ModelRunner(target).vocab_size
+    t_runner = ModelRunner(target)
+    prompt = torch.randint(3, 1000, (128,)).tolist()
+    rows: dict[str, Any] = {}
+    reference = hf_generate(target, prompt, new)
+
+    def record(name: str, fn: Any, output: list[int] | None = None, counters: Any = None) -> None:
+        seconds = timed(fn, device, repeats)
+        row = {"tokens_per_s": round(new / seconds, 2), "seconds": round(seconds, 4)}
+        if output is not None:
+            row["greedy_equal_to_plain"] = output == reference
+        if counters is not None:
+            row["acceptance_rate"] = round(counters.acceptance_rate, 3)
+            row["mean_acceptance_length"] = round(counters.mean_acceptance_length, 3)
+        rows[name] = row
+
+    record("plain_generate", lambda: hf_generate(target, prompt, new))
+    # Acceptance 1.0: the target drafts for itself. Any gap to the ideal is loop overhead.
+    record(
+        "hf_assisted_self_k4",
+        lambda: hf_generate(
+            target,
+            prompt,
+            new,
+            assistant_model=target,
+            num_assistant_tokens=4,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        ),
+    )
+    self_runner = ModelRunner(target, vocab_size=vocab)
+    out, counters = spec_generate(
+        t_runner, prompt, new, DraftModelDrafter(self_runner), FixedSchedule(4)
+    )
+    record(
+        "specagent_self_k4",
+        lambda: spec_generate(
+            t_runner, prompt, new, DraftModelDrafter(self_runner), FixedSchedule(4)
+        ),
+        out,
+        counters,
+    )
+    # Acceptance ~0: a random 0.5B draft. Speculation cannot pay; adaptive k must notice.
+    d_runner = ModelRunner(draft, vocab_size=vocab)
+    record("hf_assisted_draft05b", lambda: hf_generate(target, prompt, new, assistant_model=draft))
+    out, counters = spec_generate(
+        t_runner, prompt, new, DraftModelDrafter(d_runner), FixedSchedule(4)
+    )
+    record(
+        "specagent_draft05b_k4",
+        lambda: spec_generate(t_runner, prompt, new, DraftModelDrafter(d_runner), FixedSchedule(4)),
+        out,
+        counters,
+    )
+    costs = measure_costs(t_runner, d_runner, 5)
+    out, counters = spec_generate(
+        t_runner, prompt, new, DraftModelDrafter(d_runner), AdaptiveSchedule(max_k=4, costs=costs)
+    )
+    record(
+        "specagent_draft05b_adaptive",
+        lambda: spec_generate(
+            t_runner,
+            prompt,
+            new,
+            DraftModelDrafter(d_runner),
+            AdaptiveSchedule(max_k=4, costs=costs),
+        ),
+        out,
+        counters,
+    )
+    # Prompt lookup on a repetitive prompt (random models loop, so lookup finds matches).
+    record("hf_prompt_lookup", lambda: hf_generate(target, prompt, new, prompt_lookup_num_tokens=4))
+    out, counters = spec_generate(t_runner, prompt, new, PromptLookupDrafter(), FixedSchedule(4))
+    record(
+        "specagent_prompt_lookup_k4",
+        lambda: spec_generate(t_runner, prompt, new, PromptLookupDrafter(), FixedSchedule(4)),
+        out,
+        counters,
+    )
+    base = rows["plain_generate"]["tokens_per_s"]
+    for row in rows.values():
+        row["speedup_vs_plain"] = round(row["tokens_per_s"] / base, 3)
+    rows["ratio_specagent_vs_hf_assisted_self"] = round(
+        rows["specagent_self_k4"]["tokens_per_s"] / rows["hf_assisted_self_k4"]["tokens_per_s"], 3
+    )
+    rows["ratio_specagent_vs_hf_prompt_lookup"] = round(
+        rows["specagent_prompt_lookup_k4"]["tokens_per_s"]
+        / rows["hf_prompt_lookup"]["tokens_per_s"],
+        3,
+    )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny models (a CPU smoke run)")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target_cfg, draft_cfg = (TINY_TARGET, TINY_DRAFT) if args.tiny else (QWEN_7B, QWEN_05B)
+    started = time.time()
+    target = build(target_cfg, device, dtype, seed=0)
+    draft = build(draft_cfg, device, dtype, seed=1)
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "target": "Qwen2.5-7B config (random weights)" if not args.tiny else "tiny",
+        "draft": "Qwen2.5-0.5B config (random weights)" if not args.tiny else "tiny",
+    }
+    with torch.inference_mode():
+        report["step_costs"] = step_costs(target, draft, device, 512, args.repeats)
+        print(json.dumps(report["step_costs"], indent=1), flush=True)
+        report["loop"] = loop_overhead(
+            target, draft, device, args.new_tokens, max(2, args.repeats // 2)
+        )
+    report["wall_s"] = round(time.time() - started, 1)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
