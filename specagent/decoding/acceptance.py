@@ -162,23 +162,24 @@ def verify_greedy(
     the target's plain softmax; the divergence of such a token is 1, of any other 0.
     """
     k = int(draft_tokens.shape[0])
-    target_choice = target_logits.argmax(dim=-1)  # [k+1]
-    matches = draft_tokens == target_choice[:k]
-    if rule is not None and k > 0:
+    # One device sync for the whole step: the argmax row and the drafts as Python ints.
+    target_choice = target_logits.argmax(dim=-1).tolist()  # [k+1]
+    drafts = draft_tokens.tolist()
+    matches = [drafts[i] == target_choice[i] for i in range(k)]
+    accept = matches
+    if rule is not None and k > 0 and not all(matches):
         p = torch.softmax(target_logits[:k].float(), dim=-1)
         q = draft_probs if draft_probs is not None else _one_hot(draft_tokens, p.shape[-1])
         extra = rule.criterion(p, q).gather(-1, draft_tokens[:, None]).squeeze(-1)
         if generator is None:
-            accept_extra = extra >= 1.0
+            accept_extra = (extra >= 1.0).tolist()
         else:
             u = torch.rand(k, generator=generator, device=extra.device)
-            accept_extra = u < extra
-        accept = matches | accept_extra
-    else:
-        accept = matches
-    n = _first_rejection(accept)
-    divergences = [0.0 if bool(matches[i]) else 1.0 for i in range(n)] + [0.0]
-    return Verdict(num_accepted=n, next_token=int(target_choice[n]), divergences=divergences)
+            accept_extra = (u < extra).tolist()
+        accept = [m or bool(e) for m, e in zip(matches, accept_extra, strict=True)]
+    n = next((i for i, ok in enumerate(accept) if not ok), k)
+    divergences = [0.0 if matches[i] else 1.0 for i in range(n)] + [0.0]
+    return Verdict(num_accepted=n, next_token=target_choice[n], divergences=divergences)
 
 
 def verify_lossless(

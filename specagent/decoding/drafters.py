@@ -42,6 +42,8 @@ class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None = None
     masks: list[torch.Tensor] | None = None
+    logits: torch.Tensor | None = None
+    """Greedy drafting keeps the draft's logits instead: q is only needed by relaxed rules."""
 
 
 class TokenConstraint(Protocol):
@@ -125,10 +127,15 @@ class DraftModelDrafter:
                     break
                 logits = logits.masked_fill(~mask, float("-inf"))
                 masks.append(mask)
-            probs = logits_to_probs(logits, params)
-            token = int(logits.argmax()) if params.greedy else int(sample(probs, generator))
+            if params.greedy:
+                # q is only read by a relaxed rule; keep the logits, softmax when needed.
+                token = int(logits.argmax())
+                rows.append(logits)
+            else:
+                probs = logits_to_probs(logits, params)
+                token = int(sample(probs, generator))
+                rows.append(probs)
             tokens.append(token)
-            rows.append(probs)
             if constraint is not None:
                 constraint.consume([token])
                 if constraint.is_stopped():
@@ -137,7 +144,10 @@ class DraftModelDrafter:
                 feed = [token]
         if not tokens:
             return EMPTY
-        return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
+        stacked = torch.stack(rows)
+        if params.greedy:
+            return Proposal(tokens=tokens, logits=stacked, masks=masks or None)
+        return Proposal(tokens=tokens, probs=stacked, masks=masks or None)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Nothing to learn: the next ``propose`` crops the cache to the accepted context."""

@@ -139,7 +139,7 @@ def speculative_generate(
         logits = target.forward([context[-1], *proposal.tokens], cache)  # [k+1, V]
         if masks is not None:
             logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
-        verdict = _verify(proposal.tokens, proposal.probs, logits, params, rule, generator)
+        verdict = _verify(proposal, logits, params, rule, generator)
         crop_to(cache, len(context) + verdict.num_accepted)
         counters.record(proposed, verdict)
         schedule.observe(proposed, verdict.num_accepted)
@@ -202,15 +202,17 @@ def _consume_until_complete(constraint: TokenConstraint, tokens: list[int]) -> l
 
 
 def _verify(
-    tokens: list[int],
-    q: torch.Tensor | None,
+    proposal: Proposal,
     logits: torch.Tensor,
     params: SamplingParams,
     rule: RelaxedRule | None,
     generator: torch.Generator,
 ) -> Verdict:
+    tokens, q = proposal.tokens, proposal.probs
     draft = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     if params.greedy:
+        if rule is not None and q is None and proposal.logits is not None:
+            q = logits_to_probs(proposal.logits, params)
         return verify_greedy(draft, logits, rule=rule, draft_probs=q, generator=generator)
     p = logits_to_probs(logits, params)  # [k+1, V]
     if q is None:  # deterministic proposal: q is one-hot on the proposed tokens
