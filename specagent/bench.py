@@ -1,0 +1,287 @@
+"""Side-by-side speed benchmark: plain decoding, transformers' assisted generation, specagent.
+
+All methods run in one process, on the same prompts (agent workloads: code, summary of a given
+text, JSON extraction, a tool call, free prose), greedy, with the same token budget. Reported per
+prompt: tokens/s, speed-up against plain decoding and against assisted generation, acceptance
+rate and mean acceptance length, and whether each lossless output equals plain greedy decoding
+token for token. Results go to JSON and a PNG chart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .policy import Policy
+from .policy.schema import DrafterConfig, TypicalAcceptance
+from .runtime import SpecRuntime
+
+__all__ = ["PROMPTS", "BenchResult", "run_bench", "write_chart"]
+
+_ARTICLE = (
+    "The city council voted on Tuesday to expand the bike-lane network by 40 kilometres over "
+    "the next three years. Supporters said the plan would cut traffic and emissions; shop owners "
+    "on Main Street worried about losing parking. The first 12 kilometres will be built next "
+    "spring, funded by a regional climate grant of 8 million euros."
+)
+
+PROMPTS: dict[str, list[dict[str, str]]] = {
+    "code": [
+        {
+            "role": "user",
+            "content": "Write a Python function `is_prime(n)` that returns "
+            "True if n is prime. Include a docstring.",
+        }
+    ],
+    "summary": [
+        {"role": "user", "content": f"Summarise this article in two sentences:\n\n{_ARTICLE}"}
+    ],
+    "json_extraction": [
+        {
+            "role": "user",
+            "content": "Extract name, email and order number as "
+            "JSON from: 'Hi, this is Maria Lopez (maria.lopez@example.com). My order "
+            "A-10234 arrived damaged.'",
+        }
+    ],
+    "tool_call": [
+        {
+            "role": "system",
+            "content": "You can call get_weather(city: str, unit: str). Answer "
+            'with a JSON object {"name": ..., "arguments": {...}}.',
+        },
+        {"role": "user", "content": "What's the weather in Lisbon in celsius?"},
+    ],
+    "prose": [
+        {
+            "role": "user",
+            "content": "Write a short paragraph about why people enjoy walking in the mountains.",
+        }
+    ],
+}
+
+
+@dataclass
+class MethodResult:
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    divergence: float | None = None
+    equal_to_plain: bool | None = None
+
+
+@dataclass
+class BenchResult:
+    target: str
+    draft: str | None
+    max_new_tokens: int
+    device: str
+    results: dict[str, dict[str, MethodResult]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "draft": self.draft,
+            "max_new_tokens": self.max_new_tokens,
+            "device": self.device,
+            "summary": self.summary,
+            "results": {
+                p: {m: vars(r) for m, r in rows.items()} for p, rows in self.results.items()
+            },
+        }
+
+
+def bench_policies(has_draft: bool) -> list[Policy]:
+    """Lossless and relaxed policies for each drafter the models allow."""
+    drafters: list[Literal["prompt_lookup", "draft_model"]] = ["prompt_lookup"]
+    if has_draft:
+        drafters.append("draft_model")
+    policies = []
+    for kind in drafters:
+        drafter = DrafterConfig(kind=kind, num_speculative_tokens=4 if kind == "draft_model" else 6)
+        relaxed = TypicalAcceptance(rule="typical", epsilon=0.3, delta=0.09, max_divergence=0.1)
+        policies.append(
+            Policy(name=f"lossless-{kind}", description="bench", mode="lossless", drafter=drafter)
+        )
+        policies.append(
+            Policy(
+                name=f"relaxed-{kind}",
+                description="bench",
+                mode="relaxed",
+                drafter=drafter,
+                acceptance=relaxed,
+            )
+        )
+    return policies
+
+
+def run_bench(
+    runtime: SpecRuntime,
+    *,
+    max_new_tokens: int = 48,
+    prompts: dict[str, list[dict[str, str]]] | None = None,
+    target_name: str = "target",
+    draft_name: str | None = None,
+    log: Callable[[str], None] = print,
+) -> BenchResult:
+    """Run every method on every prompt (the runtime's policies must be ``bench_policies``)."""
+    prompts = prompts or PROMPTS
+    target, draft, tokenizer = runtime.target, runtime.draft, runtime.tokenizer
+    if tokenizer is None:
+        raise ValueError("the benchmark renders chat prompts: the runtime needs a tokenizer")
+    eos = runtime.eos_token_ids
+    out = BenchResult(target_name, draft_name, max_new_tokens, str(runtime.device))
+
+    def hf(ids: list[int], **kwargs: Any) -> list[int]:
+        inputs = torch.tensor([ids], device=runtime.device)
+        generated = target.generate(  # type: ignore[operator]
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+            **kwargs,
+        )
+        tokens = generated[0, len(ids) :].tolist()
+        return [t for t in tokens if t not in eos]
+
+    methods: dict[str, Callable[[list[int]], tuple[list[int], Any]]] = {
+        "plain": lambda ids: (hf(ids), None),
+        "hf_prompt_lookup": lambda ids: (hf(ids, prompt_lookup_num_tokens=6), None),
+    }
+    if draft is not None:
+        methods["hf_assisted"] = lambda ids: (hf(ids, assistant_model=draft), None)
+    for policy in runtime.policies:
+        if policy.name == "default":
+            continue
+        methods[f"specagent_{policy.name}"] = _spec_method(runtime, policy.name, max_new_tokens)
+
+    warm = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True
+    )
+    warm_ids = list(warm["input_ids"] if hasattr(warm, "keys") else warm)
+    for name, method in methods.items():  # warm-up: kernels, allocator, cost calibration
+        method(warm_ids)
+        log(f"warmed up {name}")
+
+    for prompt_name, messages in prompts.items():
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+        rows: dict[str, MethodResult] = {}
+        reference: list[int] | None = None
+        for name, method in methods.items():
+            start = time.perf_counter()
+            tokens, stats = method(ids)
+            seconds = time.perf_counter() - start
+            row = MethodResult(
+                tokens=len(tokens),
+                seconds=round(seconds, 3),
+                tokens_per_s=round(len(tokens) / seconds, 3),
+            )
+            if reference is None:
+                reference = tokens
+            elif stats is None or stats.mode == "lossless":
+                row.equal_to_plain = tokens == reference
+            if stats is not None:
+                row.acceptance_rate = round(stats.acceptance_rate, 3)
+                row.mean_acceptance_length = round(stats.mean_acceptance_length, 3)
+                row.divergence = None if stats.divergence is None else round(stats.divergence, 4)
+            rows[name] = row
+            log(
+                f"{prompt_name:16s} {name:36s} {row.tokens_per_s:7.2f} tok/s  "
+                f"acc={row.acceptance_rate}  equal={row.equal_to_plain}"
+            )
+        out.results[prompt_name] = rows
+    out.summary = _summarise(out.results)
+    return out
+
+
+def _spec_method(
+    runtime: SpecRuntime, policy: str, max_new_tokens: int
+) -> Callable[[list[int]], tuple[list[int], Any]]:
+    def run(ids: list[int]) -> tuple[list[int], Any]:
+        result = runtime.generate_sync(ids, policy=policy, max_new_tokens=max_new_tokens, seed=0)
+        return result.token_ids, result.stats
+
+    return run
+
+
+def _summarise(results: dict[str, dict[str, MethodResult]]) -> dict[str, Any]:
+    """Speed-ups against plain and assisted decoding, per prompt and as geometric means."""
+    summary: dict[str, Any] = {"speedup_vs_plain": {}, "speedup_vs_hf_assisted": {}}
+    methods = next(iter(results.values())).keys()
+    for method in methods:
+        ratios_plain, ratios_assisted = [], []
+        for rows in results.values():
+            ratios_plain.append(rows[method].tokens_per_s / rows["plain"].tokens_per_s)
+            if "hf_assisted" in rows:
+                ratios_assisted.append(rows[method].tokens_per_s / rows["hf_assisted"].tokens_per_s)
+        summary["speedup_vs_plain"][method] = {
+            "per_prompt": dict(zip(results, (round(r, 3) for r in ratios_plain), strict=True)),
+            "geomean": round(_geomean(ratios_plain), 3),
+            "min": round(min(ratios_plain), 3),
+        }
+        if ratios_assisted:
+            summary["speedup_vs_hf_assisted"][method] = {
+                "per_prompt": dict(
+                    zip(results, (round(r, 3) for r in ratios_assisted), strict=True)
+                ),
+                "geomean": round(_geomean(ratios_assisted), 3),
+            }
+    return summary
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else 0.0
+
+
+def write_chart(result: BenchResult, path: Path) -> None:
+    """A grouped bar chart of speed-up against plain decoding, per prompt and method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    prompts = list(result.results)
+    methods = [m for m in next(iter(result.results.values())) if m != "plain"]
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(prompts)), 4.5))
+    for i, method in enumerate(methods):
+        values = [
+            result.results[p][method].tokens_per_s / result.results[p]["plain"].tokens_per_s
+            for p in prompts
+        ]
+        ax.bar([x + i * width for x in range(len(prompts))], values, width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(prompts))], prompts)
+    ax.set_ylabel("speed-up vs plain decoding")
+    ax.set_title(
+        f"{result.target} (draft: {result.draft}), {result.device}, greedy, "
+        f"{result.max_new_tokens} tokens"
+    )
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save(result: BenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+    json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    write_chart(result, png_path)
+    return json_path, png_path
