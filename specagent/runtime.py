@@ -167,7 +167,9 @@ class _Worker:
         with self.cond:
             if self.stopping:
                 raise RuntimeClosedError("the runtime is shutting down; the call was not started")
-            if len(self.inbox) >= self.runtime.max_queue:
+            # Calls in the inbox that a free decoding slot will take next are not waiting.
+            free_slots = max(0, self.runtime.max_active - len(self.active))
+            if len(self.inbox) >= self.runtime.max_queue + free_slots:
                 msg = (
                     f"runtime overloaded: {len(self.active)} calls running and {len(self.inbox)} "
                     f"waiting (max_queue={self.runtime.max_queue}); retry later"

