@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from .catalog import resolve_model
 from .chat import Prompt, render_prompt
-from .decoding.cache import ModelRunner, early_exit_view
+from .decoding.cache import ModelRunner, PrefixCache, early_exit_view
 from .decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
 from .decoding.loop import DecodeCounters, DecodeEvent, speculative_generate
 from .decoding.sampling import SamplingParams, make_generator
@@ -370,6 +370,7 @@ class SpecRuntime:
         model_name: str | None = None,
         max_active: int = 64,
         max_queue: int = 256,
+        prefix_cache_tokens: int = 65536,
         tracer_provider: Any | None = None,
         meter_provider: Any | None = None,
     ) -> None:
@@ -399,6 +400,8 @@ class SpecRuntime:
         self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
 
     @classmethod
     def from_pretrained(
@@ -687,6 +690,7 @@ class SpecRuntime:
             stop_check=stop_check,
             max_context=self.context_window,
             constraint=request.grammar,
+            prefixes=self.prefix_cache,
         )
 
     def drafter_kind(self, policy: Policy) -> str:
@@ -709,10 +713,10 @@ class SpecRuntime:
         elif kind == "draft_model":
             assert self._draft_runner is not None  # checked when the policies were loaded
             runner = self._draft_runner
-            drafter = DraftModelDrafter(runner)
+            drafter = DraftModelDrafter(runner, self.prefix_cache)
         else:
             runner = self._early_exit_runner(self._early_exit_layers(policy))
-            drafter = EarlyExitDrafter(runner)
+            drafter = EarlyExitDrafter(runner, self.prefix_cache)
         if not config.adaptive:
             return drafter, FixedSchedule(k)
         return drafter, AdaptiveSchedule(max_k=k, costs=self._cost_model(runner))

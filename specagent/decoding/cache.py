@@ -11,13 +11,15 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["ModelRunner", "crop_to", "early_exit_view"]
+__all__ = ["ModelRunner", "PrefixCache", "crop_to", "early_exit_view", "prefill"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,6 +78,21 @@ class ModelRunner:
         return logits.float()
 
 
+def prefill(
+    runner: ModelRunner, tokens: Sequence[int], prefixes: PrefixCache | None
+) -> DynamicCache:
+    """A cache holding the KV of ``tokens``: from the longest kept prefix when there is one,
+    then computing only the rest; the result is kept for later calls."""
+    cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
+    if cache is None:
+        cache = runner.new_cache()
+    if len(tokens) > reused:
+        runner.forward(list(tokens[reused:]), cache, keep=1)
+        if prefixes is not None:
+            prefixes.store(id(runner), tokens, cache)
+    return cache
+
+
 def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Make a draft's logits cover exactly the target's vocabulary: ids the target lacks are cut,
     ids only the target has (padding rows) get -inf so the draft never proposes them."""
@@ -121,3 +138,70 @@ def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     setattr(view, prefix, view_base)
     view.config = config
     return view
+
+
+class PrefixCache:
+    """KV of recent prompt prefixes, reused across calls (bounded, least recently used first out).
+
+    Agents resend the same system prompt and tool schemas on every turn. After a call's prefill,
+    its prompt KV is kept; a later call whose prompt shares a long enough prefix with a kept one
+    starts from a copy of that KV, cropped to the shared length, and prefills only the rest.
+    Entries are per model runner (target, draft, early-exit view), since their KV differ.
+
+    Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
+    must never change. Only the worker thread touches it.
+    """
+
+    def __init__(self, max_tokens: int = 65536, min_tokens: int = 32) -> None:
+        if max_tokens < 0 or min_tokens < 1:
+            raise ValueError("PrefixCache needs max_tokens >= 0 and min_tokens >= 1")
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self._entries: OrderedDict[tuple[int, tuple[int, ...]], DynamicCache] = OrderedDict()
+        self._size = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def lookup(self, owner: int, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
+        """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
+        its length; ``(None, 0)`` when no kept prompt shares ``min_tokens`` or more."""
+        best_key, best_len = None, 0
+        for key in self._entries:
+            if key[0] != owner:
+                continue
+            shared = _shared_prefix(key[1], tokens)
+            if shared > best_len:
+                best_key, best_len = key, shared
+        if best_key is None or best_len < self.min_tokens:
+            return None, 0
+        self._entries.move_to_end(best_key)
+        cache = copy.deepcopy(self._entries[best_key])
+        crop_to(cache, best_len)
+        self.hits += 1
+        self.reused_tokens += best_len
+        return cache, best_len
+
+    def store(self, owner: int, tokens: Sequence[int], cache: DynamicCache) -> None:
+        """Keep a copy of ``cache``, which must hold exactly the KV of ``tokens``."""
+        if len(tokens) < self.min_tokens or len(tokens) > self.max_tokens:
+            return
+        key = (owner, tuple(tokens))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        self._entries[key] = copy.deepcopy(cache)
+        self._size += len(tokens)
+        while self._size > self.max_tokens:
+            (_, old), _ = self._entries.popitem(last=False)
+            self._size -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

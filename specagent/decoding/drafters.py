@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from .cache import ModelRunner, crop_to
+from .cache import ModelRunner, PrefixCache, crop_to, prefill
 from .sampling import SamplingParams, logits_to_probs, sample
 
 __all__ = [
@@ -95,10 +95,11 @@ class DraftModelDrafter:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, prefixes: PrefixCache | None = None) -> None:
         self.runner = runner
         self.cache = runner.new_cache()
         self._cached: list[int] = []
+        self._prefixes = prefixes
 
     def propose(
         self,
@@ -110,6 +111,9 @@ class DraftModelDrafter:
     ) -> Proposal:
         if k <= 0 or not context:
             return EMPTY
+        if not self._cached and self._prefixes is not None and len(context) > 1:
+            self.cache = prefill(self.runner, context[:-1], self._prefixes)
+            self._cached = list(context[:-1])
         shared = _common_prefix(self._cached, context)
         shared = min(shared, len(context) - 1)  # always feed at least the last token
         crop_to(self.cache, shared)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import ModelRunner, crop_to
+from .cache import ModelRunner, PrefixCache, crop_to, prefill
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
@@ -104,13 +104,15 @@ def speculative_generate(
     stop_check: StopCheck | None = None,
     max_context: int | None = None,
     constraint: TokenConstraint | None = None,
+    prefixes: PrefixCache | None = None,
 ) -> Iterator[DecodeEvent]:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``, one step per ``next()``.
 
     ``rule=None`` is lossless. With a rule, ``max_divergence`` bounds the running mean divergence:
     once it is exceeded, the rest of the call is verified losslessly. A ``constraint`` (a
     grammar over the output) masks the draft's and the target's distributions at every position,
-    so exactness holds with respect to the constrained target.
+    so exactness holds with respect to the constrained target. ``prefixes`` reuses the KV of
+    prompt prefixes seen by earlier calls.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -120,11 +122,10 @@ def speculative_generate(
     limit = max_context if max_context is not None else math.inf
     eos = set(eos_token_ids)
     counters = DecodeCounters()
-    cache = target.new_cache()
     context = list(prompt_ids)
     output: list[int] = []
-    if len(context) > 1:
-        target.forward(context[:-1], cache, keep=1)  # prefill; its logits are not needed
+    # The cache holds everything but the last token, which every step feeds first.
+    cache = prefill(target, context[:-1], prefixes) if len(context) > 1 else target.new_cache()
 
     while True:
         # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.

@@ -1,0 +1,82 @@
+"""Prefix reuse: the KV of a repeated prompt prefix is reused, and outputs do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specagent import Policy, SpecRuntime
+from specagent.decoding.cache import ModelRunner, PrefixCache
+
+SYSTEM = "You are a support agent. Tools: lookup_order(order_id), shop_policy(topic). " * 3
+
+
+def test_lookup_store_and_eviction(target) -> None:
+    runner = ModelRunner(target)
+    cache = PrefixCache(max_tokens=100, min_tokens=4)
+    tokens = list(range(10, 50))
+    kv = runner.new_cache()
+    runner.forward(tokens, kv, keep=1)
+    cache.store(id(runner), tokens, kv)
+    hit, n = cache.lookup(id(runner), [*tokens[:30], 99, 98])
+    assert n == 30
+    assert hit is not None
+    assert hit.get_seq_length() == 30
+    assert kv.get_seq_length() == 40  # the kept entry is untouched by the copy's crop
+    assert cache.lookup(id(runner), [1, 2, 3, 4, 5]) == (None, 0)
+    assert cache.lookup(id(runner) + 1, tokens) == (None, 0)  # another model's KV never matches
+    assert cache.lookup(id(runner), [*tokens[:3], 7]) == (None, 0)  # below min_tokens
+    for start in (100, 200):  # two more 40-token entries: the oldest is evicted (100 tokens max)
+        other = list(range(start, start + 40))
+        kv2 = runner.new_cache()
+        runner.forward(other, kv2, keep=1)
+        cache.store(id(runner), other, kv2)
+    assert len(cache) == 2
+    assert cache.lookup(id(runner), tokens)[1] == 0
+
+
+def test_reused_kv_equals_recomputed_kv(target) -> None:
+    runner = ModelRunner(target)
+    prefixes = PrefixCache(min_tokens=8)
+    prompt = list(range(5, 60))
+    kv = runner.new_cache()
+    runner.forward(prompt, kv, keep=1)
+    prefixes.store(id(runner), prompt, kv)
+    reused, n = prefixes.lookup(id(runner), [*prompt[:50], 3, 4])
+    assert n == 50
+    fresh = runner.new_cache()
+    runner.forward(prompt[:50], fresh, keep=1)
+    a = runner.forward([3, 4], reused)
+    b = runner.forward([3, 4], fresh)
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup"])
+def test_outputs_with_and_without_reuse_are_equal(target, draft, tokenizer, drafter) -> None:
+    policy = Policy(
+        name="p",
+        description="d",
+        mode="lossless",
+        drafter={"kind": drafter, "num_speculative_tokens": 3, "adaptive": False},
+    )
+    with_reuse = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=[policy], device="cpu"
+    )
+    without = SpecRuntime(
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        policies=[policy],
+        device="cpu",
+        prefix_cache_tokens=0,
+    )
+    for question in ("Where is order A-1?", "Refund for order B-2?", "Where is order A-1?"):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        a = with_reuse.generate_sync(messages, policy="p", max_new_tokens=20)
+        b = without.generate_sync(messages, policy="p", max_new_tokens=20)
+        assert a.token_ids == b.token_ids
+    assert with_reuse.prefix_cache is not None
+    assert with_reuse.prefix_cache.hits >= 2
+    assert with_reuse.prefix_cache.reused_tokens > 100
+    with_reuse.close()
+    without.close()
