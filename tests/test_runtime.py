@@ -452,3 +452,42 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
     rt._decode = real_decode  # type: ignore[method-assign]
     assert rt.generate_sync("again", policy="exact", max_new_tokens=3).usage.output_tokens > 0
     rt.close()
+
+
+@pytest.mark.anyio
+async def test_a_failing_call_does_not_take_others_down(target, draft, tokenizer) -> None:
+    """Out of device memory (or any error) in one call fails that call with a clear error; the
+    worker frees what it held and keeps serving the rest."""
+    import torch
+
+    from specagent import GenerationError
+
+    rt = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES, device="cpu"
+    )
+    poison = tokenizer.encode("POISON")
+    real_forward = rt._target_runner.forward
+
+    def forward(input_ids, cache, keep=None):
+        if input_ids[: len(poison)] == poison:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(input_ids, cache, keep)
+
+    rt._target_runner.forward = forward  # type: ignore[method-assign]
+    outcomes: dict[str, object] = {}
+
+    async def call(name: str, prompt: list[int] | str) -> None:
+        try:
+            outcomes[name] = await rt.generate(prompt, policy="exact", max_new_tokens=15)
+        except GenerationError as exc:
+            outcomes[name] = exc
+
+    async with rt, anyio.create_task_group() as tg:
+        tg.start_soon(call, "ok-1", "Hello there")
+        tg.start_soon(call, "bad", [*poison, *poison])
+        tg.start_soon(call, "ok-2", "General Kenobi")
+    assert isinstance(outcomes["bad"], GenerationError)
+    assert "out of device memory" in str(outcomes["bad"])
+    assert outcomes["ok-1"].usage.output_tokens > 0  # type: ignore[union-attr]
+    assert outcomes["ok-2"].usage.output_tokens > 0  # type: ignore[union-attr]
+    assert rt._worker is None  # closed cleanly by the async with

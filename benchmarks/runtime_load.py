@@ -1,0 +1,205 @@
+"""Runtime under load: time to first token with and without prefix reuse, and throughput and
+latency against concurrency. Writes JSON and a PNG to benchmarks/results/.
+
+    python benchmarks/runtime_load.py                       # SmolLM2-135M from the package index
+    python benchmarks/runtime_load.py --target PATH --concurrency 1 4 16
+
+Prefix reuse: an agent resends a ~1,000-token system prompt (instructions and tool schemas) with a
+different question each turn; TTFT is measured on the same turns by a runtime with the prefix
+cache and one without, in one process.
+
+Concurrency: N greedy calls at once against the same calls one at a time. Calls share the worker
+step by step (round-robin); each step is still one sequence's forward, so this measures
+scheduling fairness and overhead, not batched throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specagent import Policy, SpecRuntime  # noqa: E402
+from specagent.catalog import resolve_model  # noqa: E402
+
+TOOLS_BLURB = (
+    "Tool lookup_order(order_id: string) returns the order's status, carrier and delivery date. "
+    "Tool shop_policy(topic: one of late, refund, damaged, exchange) returns the shop's rule. "
+    "Tool escalate(reason: string, priority: low|high) hands the ticket to a human. "
+)
+SYSTEM = (
+    "You are the support agent of an online shop. Be brief, kind and precise. Never promise "
+    "refunds the policy does not allow. Always look up the order before answering. "
+    + TOOLS_BLURB
+    * 12
+)
+QUESTIONS = [
+    "Where is my order A-10234?",
+    "Can I return shoes I wore once?",
+    "My parcel is damaged.",
+    "Do you ship to Norway?",
+    "I want to exchange a size M for L.",
+    "Why was I charged twice?",
+]
+POLICY = Policy(
+    name="bench",
+    description="lossless, prompt lookup",
+    mode="lossless",
+    drafter={"kind": "prompt_lookup", "num_speculative_tokens": 6},
+)
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]},
+    ]
+
+
+def ttft_with_and_without_reuse(model: Any, tokenizer: Any, turns: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, tokens in (("without_reuse", 0), ("with_reuse", 65536)):
+        rt = SpecRuntime(
+            target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=tokens
+        )
+        rt.generate_sync(messages(0), policy="bench", max_new_tokens=2)  # warm-up, fills the cache
+        ttfts = []
+        for i in range(1, turns + 1):
+            result = rt.generate_sync(messages(i), policy="bench", max_new_tokens=8)
+            ttfts.append(result.stats.ttft_s)
+        out[label] = {
+            "ttft_s_median": round(statistics.median(ttfts), 4),
+            "ttft_s": [round(t, 4) for t in ttfts],
+            "prompt_tokens": result.usage.input_tokens,
+        }
+        if rt.prefix_cache is not None:
+            out[label]["reused_tokens_total"] = rt.prefix_cache.reused_tokens
+        rt.close()
+    out["ttft_ratio_without_over_with"] = round(
+        out["without_reuse"]["ttft_s_median"] / out["with_reuse"]["ttft_s_median"], 2
+    )
+    return out
+
+
+def concurrency(model: Any, tokenizer: Any, levels: list[int], new_tokens: int) -> dict[str, Any]:
+    rt = SpecRuntime(target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=0)
+    short = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    rt.generate_sync(short[0], policy="bench", max_new_tokens=4)
+    rows: dict[str, Any] = {}
+
+    for n in levels:
+        prompts = [short[i % len(short)] for i in range(n)]
+        start = time.perf_counter()
+        sequential = [
+            rt.generate_sync(p, policy="bench", max_new_tokens=new_tokens) for p in prompts
+        ]
+        seq_s = time.perf_counter() - start
+        latencies: list[float] = []
+        results: list[Any] = [None] * n
+
+        async def run_all() -> None:
+            async def one(i: int) -> None:
+                t0 = time.perf_counter()
+                results[i] = await rt.generate(
+                    prompts[i], policy="bench", max_new_tokens=new_tokens
+                )
+                latencies.append(time.perf_counter() - t0)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+
+        start = time.perf_counter()
+        anyio.run(run_all)
+        conc_s = time.perf_counter() - start
+        tokens = sum(r.usage.output_tokens for r in results)
+        latencies.sort()
+        rows[str(n)] = {
+            "sequential_tokens_per_s": round(
+                sum(r.usage.output_tokens for r in sequential) / seq_s, 2
+            ),
+            "concurrent_tokens_per_s": round(tokens / conc_s, 2),
+            "throughput_ratio": round(
+                (tokens / conc_s) / (sum(r.usage.output_tokens for r in sequential) / seq_s), 3
+            ),
+            "latency_p50_s": round(latencies[len(latencies) // 2], 3),
+            "latency_p95_s": round(
+                latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 3
+            ),
+            "same_tokens_as_alone": [r.token_ids for r in results]
+            == [r.token_ids for r in sequential],
+        }
+        print(n, rows[str(n)], flush=True)
+    rt.close()
+    return rows
+
+
+def chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    levels = list(report["concurrency"])
+    left.plot(
+        levels,
+        [report["concurrency"][n]["concurrent_tokens_per_s"] for n in levels],
+        "o-",
+        label="concurrent",
+    )
+    left.plot(
+        levels,
+        [report["concurrency"][n]["sequential_tokens_per_s"] for n in levels],
+        "s--",
+        label="one at a time",
+    )
+    left.set_xlabel("calls")
+    left.set_ylabel("tokens/s")
+    left.legend()
+    left.set_title("throughput")
+    reuse = report["prefix_reuse"]
+    right.bar(
+        ["without reuse", "with reuse"],
+        [reuse["without_reuse"]["ttft_s_median"], reuse["with_reuse"]["ttft_s_median"]],
+    )
+    right.set_ylabel("median TTFT (s)")
+    right.set_title(f"~{reuse['with_reuse']['prompt_tokens']}-token prompt, repeated prefix")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 48])
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(args.target)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    report: dict[str, Any] = {"target": args.target}
+    report["prefix_reuse"] = ttft_with_and_without_reuse(model, tokenizer, args.turns)
+    print(json.dumps(report["prefix_reuse"], indent=1), flush=True)
+    report["concurrency"] = concurrency(model, tokenizer, args.concurrency, args.new_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"runtime_load_{Path(args.target).name}"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    chart(report, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
