@@ -27,8 +27,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent import Policy, SpecRuntime  # noqa: E402
-from specagent.catalog import resolve_model  # noqa: E402
+from specagent import Policy, SpecRuntime
+from specagent.catalog import resolve_model
 
 TOOLS_BLURB = (
     "Tool lookup_order(order_id: string) returns the order's status, carrier and delivery date. "
@@ -39,7 +39,7 @@ SYSTEM = (
     "You are the support agent of an online shop. Be brief, kind and precise. Never promise "
     "refunds the policy does not allow. Always look up the order before answering. "
     + TOOLS_BLURB
-    * 12
+    * 15
 )
 QUESTIONS = [
     "Where is my order A-10234?",
@@ -105,7 +105,12 @@ def concurrency(model: Any, tokenizer: Any, levels: list[int], new_tokens: int) 
         latencies: list[float] = []
         results: list[Any] = [None] * n
 
-        async def run_all() -> None:
+        async def run_all(
+            n: int = n,
+            prompts: list = prompts,
+            results: list = results,
+            latencies: list = latencies,
+        ) -> None:
             async def one(i: int) -> None:
                 t0 = time.perf_counter()
                 results[i] = await rt.generate(
