@@ -713,10 +713,10 @@ class SpecRuntime:
         elif kind == "draft_model":
             assert self._draft_runner is not None  # checked when the policies were loaded
             runner = self._draft_runner
-            drafter = DraftModelDrafter(runner, self.prefix_cache)
+            drafter = DraftModelDrafter(runner, self.prefix_cache, config.confidence_threshold)
         else:
             runner = self._early_exit_runner(self._early_exit_layers(policy))
-            drafter = EarlyExitDrafter(runner, self.prefix_cache)
+            drafter = EarlyExitDrafter(runner, self.prefix_cache, config.confidence_threshold)
         if not config.adaptive:
             return drafter, FixedSchedule(k)
         return drafter, AdaptiveSchedule(max_k=k, costs=self._cost_model(runner))

@@ -95,8 +95,16 @@ class DraftModelDrafter:
 
     name = "draft_model"
 
-    def __init__(self, runner: ModelRunner, prefixes: PrefixCache | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        prefixes: PrefixCache | None = None,
+        confidence_threshold: float = 0.0,
+    ) -> None:
         self.runner = runner
+        self.confidence_threshold = confidence_threshold
+        """Stop drafting once the draft's own top probability falls below this: a token it is
+        unsure of is likely rejected, and every token after it surely wasted."""
         self.cache = runner.new_cache()
         self._cached: list[int] = []
         self._prefixes = prefixes
@@ -135,15 +143,19 @@ class DraftModelDrafter:
                 # q is only read by a relaxed rule; keep the logits, softmax when needed.
                 token = int(logits.argmax())
                 rows.append(logits)
+                confident = self._confident(logits, token)
             else:
                 probs = logits_to_probs(logits, params)
                 token = int(sample(probs, generator))
                 rows.append(probs)
+                confident = float(probs[token]) >= self.confidence_threshold
             tokens.append(token)
             if constraint is not None:
                 constraint.consume([token])
                 if constraint.is_stopped():
                     break
+            if not confident:
+                break
             if step < k - 1:
                 feed = [token]
         if not tokens:
@@ -152,6 +164,13 @@ class DraftModelDrafter:
         if params.greedy:
             return Proposal(tokens=tokens, logits=stacked, masks=masks or None)
         return Proposal(tokens=tokens, probs=stacked, masks=masks or None)
+
+    def _confident(self, logits: torch.Tensor, token: int) -> bool:
+        if self.confidence_threshold <= 0.0:
+            return True
+        # p(token) = 1 / sum(exp(logits - logits[token])) without building the distribution.
+        top = float(torch.exp(logits - logits[token]).sum())
+        return 1.0 / top >= self.confidence_threshold
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Nothing to learn: the next ``propose`` crops the cache to the accepted context."""

@@ -41,6 +41,9 @@ class DrafterConfig(_Strict):
     such a runtime refuses the policy when it is loaded."""
     adaptive: bool = True
     """Pick k per step from observed acceptance and measured step costs (k = 0: plain decoding)."""
+    confidence_threshold: float = Field(default=0.4, ge=0.0, le=1.0)
+    """For draft models: stop a step's draft early when the draft's top probability falls below
+    this (0 disables). Exactness does not depend on it; speed does."""
     early_exit_layers: int | None = Field(default=None, ge=1)
     """For ``early_exit``: decoder layers the drafter runs (default: three quarters of them)."""
     min_ngram: int = Field(default=1, ge=1, le=16)
