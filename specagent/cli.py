@@ -134,8 +134,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .runtime import SpecRuntime
 
     target, draft = PAIRS[args.pair] if args.pair else (args.target, args.draft)
+    # No prefix reuse here: every method pays its own prefill, as the baselines do
+    # (benchmarks/runtime_load.py measures what reuse saves).
     runtime = SpecRuntime.from_pretrained(
-        target, draft=draft, policies=bench_policies(draft is not None)
+        target, draft=draft, policies=bench_policies(draft is not None), prefix_cache_tokens=0
     )
     result = run_bench(
         runtime,
