@@ -243,13 +243,3 @@ def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     out = torch.zeros(tokens.shape[0], vocab, device=tokens.device)
     out[torch.arange(tokens.shape[0], device=tokens.device), tokens] = 1.0
     return out
-
-
-def rule_from_name(name: str, **params: float) -> RelaxedRule:
-    """Build a rule by its policy name (``typical``, ``top_k``, ``lenience``)."""
-    rules: dict[str, type] = {"typical": TypicalRule, "top_k": TopKRule, "lenience": LenienceRule}
-    if name not in rules:
-        msg = f"unknown acceptance rule {name!r}; expected one of {sorted(rules)}"
-        raise ValueError(msg)
-    rule: RelaxedRule = rules[name](**params)
-    return rule

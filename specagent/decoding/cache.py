@@ -19,7 +19,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["ModelRunner", "PrefixCache", "crop_to", "early_exit_view", "prefill"]
+__all__ = [
+    "ModelRunner",
+    "PrefixCache",
+    "common_prefix_length",
+    "crop_to",
+    "early_exit_view",
+    "prefill",
+]
 
 
 @functools.lru_cache(maxsize=64)
@@ -169,7 +176,7 @@ class PrefixCache:
         for key in self._entries:
             if key[0] != owner:
                 continue
-            shared = _shared_prefix(key[1], tokens)
+            shared = common_prefix_length(key[1], tokens)
             if shared > best_len:
                 best_key, best_len = key, shared
         if best_key is None or best_len < self.min_tokens:
@@ -199,7 +206,8 @@ class PrefixCache:
         return len(self._entries)
 
 
-def _shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from .cache import ModelRunner, PrefixCache, crop_to, prefill
+from .cache import ModelRunner, PrefixCache, common_prefix_length, crop_to, prefill
 from .sampling import SamplingParams, logits_to_probs, sample
 
 __all__ = [
@@ -122,7 +122,7 @@ class DraftModelDrafter:
         if not self._cached and self._prefixes is not None and len(context) > 1:
             self.cache = prefill(self.runner, context[:-1], self._prefixes)
             self._cached = list(context[:-1])
-        shared = _common_prefix(self._cached, context)
+        shared = common_prefix_length(self._cached, context)
         shared = min(shared, len(context) - 1)  # always feed at least the last token
         crop_to(self.cache, shared)
         del self._cached[shared:]
@@ -237,11 +237,3 @@ def _admissible(tokens: list[int], constraint: TokenConstraint | None) -> Propos
             break
     kept = tokens[: len(masks)]
     return Proposal(tokens=kept, masks=masks) if kept else EMPTY
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
