@@ -6,6 +6,7 @@ Public names only; everything else is private to its module.
 from ._version import __version__
 from .errors import (
     ContextLengthError,
+    EvaluationError,
     GenerationError,
     IncompatibleDraftError,
     InvalidRequestError,
@@ -22,6 +23,7 @@ from .runtime import SpecRuntime
 
 __all__ = [
     "ContextLengthError",
+    "EvaluationError",
     "GenerationError",
     "GenerationResult",
     "IncompatibleDraftError",

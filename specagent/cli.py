@@ -52,6 +52,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     bench.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
 
+    evaluate = sub.add_parser(
+        "eval", help="what relaxed policies cost against their lossless twins, prompt by prompt"
+    )
+    _model_args(evaluate)
+    evaluate.add_argument(
+        "--policy", action="append", required=True, help="policy name or YAML file (repeatable)"
+    )
+    evaluate.add_argument(
+        "--rule",
+        action="append",
+        choices=["typical", "top_k", "lenience"],
+        help="also evaluate each policy with this rule at its default parameters (repeatable)",
+    )
+    _eval_args(evaluate)
+    evaluate.add_argument("--temperature", type=float, help="override the policies' temperature")
+    evaluate.add_argument("--max-new-tokens", type=int, help="override each prompt's budget")
+    evaluate.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    evaluate.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
+
+    tune_cmd = sub.add_parser(
+        "tune", help="the fastest parameters (and k) of a relaxed policy within a quality budget"
+    )
+    _model_args(tune_cmd)
+    tune_cmd.add_argument("--policy", required=True, help="relaxed policy name or YAML file")
+    tune_cmd.add_argument("--max-divergence", type=float, help="budget: mean TV per token")
+    tune_cmd.add_argument(
+        "--min-similarity", type=float, help="budget: similarity to lossless (relative to floor)"
+    )
+    tune_cmd.add_argument("--k", help="comma-separated k values (default: k/2, k, 2k)")
+    _eval_args(tune_cmd)
+    tune_cmd.add_argument(
+        "--out", type=Path, help="where to write the tuned policy (default: tuned/<name>.yaml)"
+    )
+    tune_cmd.add_argument("--report", type=Path, help="also write every setting's JSON and PNG")
+
     policies = sub.add_parser("policies", help="policy tools")
     policies_sub = policies.add_subparsers(dest="action", required=True)
     validate = policies_sub.add_parser("validate", help="load a policy directory and report errors")
@@ -98,6 +133,10 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return _run(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "eval":
+        return _eval(args)
+    if args.command == "tune":
+        return _tune(args)
     from .demo import run_demo
 
     return run_demo(pair=args.pair, policies=args.policies)
@@ -149,6 +188,135 @@ def _bench(args: argparse.Namespace) -> int:
     json_path, png_path = save(result, args.out, stem)
     print(json.dumps(result.summary, indent=1))
     print(f"wrote {json_path} and {png_path}")
+    runtime.close()
+    return 0
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_MODEL)
+    parser.add_argument("--draft")
+    parser.add_argument("--pair", choices=["qwen2.5-coder"])
+    parser.add_argument(
+        "--policies", default="policies", help="policy directory for names (default: ./policies)"
+    )
+
+
+def _eval_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", help="JSONL prompt set (default: the one shipped)")
+    parser.add_argument("--limit", type=int, help="use only the first N prompts")
+    parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt at temperature > 0")
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+
+
+def _load_named_policy(ref: str, directory: str) -> Any:
+    from .policy import load_policies, load_policy
+
+    if ref.endswith((".yaml", ".yml")) or Path(ref).is_file():
+        return load_policy(ref)
+    return load_policies(directory)[ref]
+
+
+def _eval_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], str]:
+    """The runtime (no policies of its own), the prompts and the prompt set's name."""
+    from .catalog import PAIRS
+    from .evaluation import default_prompt_set, load_prompt_set
+    from .runtime import SpecRuntime
+
+    prompts = load_prompt_set(args.prompts)
+    if args.limit is not None:
+        prompts = prompts[: max(args.limit, 1)]
+    target, draft = PAIRS[args.pair] if args.pair else (args.target, args.draft)
+    runtime = SpecRuntime.from_pretrained(target, draft=draft)
+    return runtime, prompts, str(args.prompts or default_prompt_set().name)
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="prompt", file=sys.stderr)
+
+    def step(label: str) -> None:
+        bar.set_description(label[:48])
+        bar.update(1)
+
+    step.close = bar.close  # type: ignore[attr-defined]
+    return step
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .evaluation import evaluate
+    from .policy.schema import LenienceAcceptance, TopKAcceptance, TypicalAcceptance
+
+    defaults = {
+        "typical": TypicalAcceptance,
+        "top_k": TopKAcceptance,
+        "lenience": LenienceAcceptance,
+    }
+    settings = []
+    for ref in args.policy:
+        policy = _load_named_policy(ref, args.policies)
+        settings.append(policy)
+        for rule in args.rule or ():
+            guard = policy.acceptance.max_divergence if policy.acceptance else None
+            acceptance = defaults[rule](rule=rule, max_divergence=guard)
+            if policy.acceptance is None or acceptance != policy.acceptance:
+                variant = {**policy.model_dump(), "mode": "relaxed"}
+                variant["acceptance"] = acceptance.model_dump()
+                settings.append(type(policy).model_validate(variant))
+    runtime, prompts, source = _eval_inputs(args)
+    progress = _progress(len(settings) * len(prompts))
+    report = evaluate(
+        runtime,
+        settings,
+        prompts,
+        num_seeds=args.seeds,
+        seed=args.seed,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        progress=progress,
+    )
+    progress.close()
+    report.prompt_set = source
+    print(report.table())
+    stem = args.name or f"eval_{Path(report.target).name}_{runtime.device.type}"
+    json_path, png_path = report.save(args.out, stem)
+    print(f"wrote {json_path} and {png_path}")
+    runtime.close()
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .errors import EvaluationError
+    from .tuning import Budget, search_space, tune
+
+    policy = _load_named_policy(args.policy, args.policies)
+    budget = Budget(max_divergence=args.max_divergence, min_similarity=args.min_similarity)
+    try:
+        ks = [int(v) for v in args.k.split(",")] if args.k else None
+    except ValueError:
+        raise EvaluationError(f"--k takes comma-separated integers, got {args.k!r}") from None
+    candidates = search_space(policy, ks)  # refuses a lossless policy before loading models
+    runtime, prompts, source = _eval_inputs(args)
+    progress = _progress(len(candidates) * len(prompts))
+    result = tune(
+        runtime,
+        policy,
+        prompts,
+        budget,
+        ks=ks,
+        seed=args.seed,
+        num_seeds=args.seeds,
+        progress=progress,
+        prompt_set=source,
+    )
+    progress.close()
+    print(result.report.table())
+    out = args.out or Path("tuned") / f"{policy.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(result.to_yaml())
+    if args.report:
+        result.report.save(args.report, f"tune_{policy.name}")
+    print(f"chose {result.chosen.label}; wrote {out}")
     runtime.close()
     return 0
 

@@ -11,7 +11,8 @@
     │   └── ContextLengthError      the prompt does not fit the model's context window
     ├── RuntimeClosedError          the runtime was closed while the call waited or ran
     ├── RuntimeOverloadedError      the admission queue is full; retry later
-    └── GenerationError             the worker failed while decoding this call (cause chained)
+    ├── GenerationError             the worker failed while decoding this call (cause chained)
+    └── EvaluationError             an eval/tune input is wrong (prompt set) or no setting fits
 
 Errors about bad input also derive from :class:`ValueError` so that generic callers catching
 ``ValueError`` keep working; ``PolicyNotFoundError`` is also a :class:`LookupError`.
@@ -23,6 +24,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "ContextLengthError",
+    "EvaluationError",
     "GenerationError",
     "IncompatibleDraftError",
     "InvalidRequestError",
@@ -79,3 +81,8 @@ class RuntimeOverloadedError(SpecAgentError, RuntimeError):
 
 class GenerationError(SpecAgentError, RuntimeError):
     """Decoding failed for this call inside the worker; the cause is chained."""
+
+
+class EvaluationError(SpecAgentError, ValueError):
+    """``specagent eval`` / ``tune`` could not run: a prompt set is missing or malformed (the
+    message names the file and line), or no setting stays within the budget."""

@@ -441,6 +441,43 @@ class SpecRuntime:
             **kwargs,
         )
 
+    def with_policies(self, policies: PoliciesArg, **kwargs: Any) -> SpecRuntime:
+        """A new runtime over the same loaded models (weights are shared, not copied) with other
+        policies, e.g. to compare settings side by side. It keeps the step costs this runtime
+        measured; ``kwargs`` are the constructor's keyword options (default: this runtime's)."""
+        options: dict[str, Any] = {
+            "model_name": self.model_name,
+            "max_active": self.max_active,
+            "max_queue": self.max_queue,
+            "prefix_cache_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
+            "tracer_provider": self._telemetry.tracer_provider,
+            "meter_provider": self._telemetry.meter_provider,
+        }
+        options.update(kwargs)
+        other = SpecRuntime(
+            self.target, self.draft, self.tokenizer, policies, self.device, **options
+        )
+        other._target_runner, other._draft_runner = self._target_runner, self._draft_runner
+        other._early_exit_runners = self._early_exit_runners
+        other._draft_costs = self._draft_costs
+        longest = max(p.drafter.num_speculative_tokens for p in other.policies) + 1
+        if self._verify_costs is not None and len(self._verify_costs) >= longest:
+            other._verify_costs = self._verify_costs
+        return other
+
+    def step_costs(self, policy: Policy | str) -> CostModel:
+        """The step costs adaptive k plans with for ``policy``'s drafter, relative to one
+        single-token target forward (measured on first use, then kept)."""
+        if isinstance(policy, str):
+            policy = self.policies[policy]
+        kind = self.drafter_kind(policy)
+        runner: ModelRunner | None = None
+        if kind == "draft_model":
+            runner = self._draft_runner
+        elif kind == "early_exit":
+            runner = self._early_exit_runner(self._early_exit_layers(policy))
+        return self._cost_model(runner)
+
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> SpecRuntime:

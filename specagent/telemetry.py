@@ -109,6 +109,7 @@ class Telemetry:
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self.model_name = model_name
+        self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
         self.tracer = trace.get_tracer("specagent", __version__, tracer_provider=tracer_provider)
         meter = metrics.get_meter("specagent", __version__, meter_provider=meter_provider)
         self.duration = meter.create_histogram(

@@ -152,14 +152,16 @@ def verify_greedy(
     draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
     rule: RelaxedRule | None = None,
-    draft_probs: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> Verdict:
     """Greedy verification. ``draft_tokens [k]``, ``target_logits [k+1, V]``.
 
     Without a rule: accept the longest prefix equal to the target's argmax, then emit the argmax.
     With a rule: a non-argmax draft token is also accepted with the rule's probability, judged on
-    the target's plain softmax; the divergence of such a token is 1, of any other 0.
+    the target's plain softmax p against its argmax: the rule sees ``q = max(p)`` everywhere,
+    since at temperature 0 the target's choice, not the draft's confidence, is the reference (so
+    ``lenience`` accepts x with ``min(1, p(x) / (lenience * max p))``). The divergence of such a
+    token is 1, of any other 0.
     """
     k = int(draft_tokens.shape[0])
     # One device sync for the whole step: the argmax row and the drafts as Python ints.
@@ -169,8 +171,8 @@ def verify_greedy(
     accept = matches
     if rule is not None and k > 0 and not all(matches):
         p = torch.softmax(target_logits[:k].float(), dim=-1)
-        q = draft_probs if draft_probs is not None else _one_hot(draft_tokens, p.shape[-1])
-        extra = rule.criterion(p, q).gather(-1, draft_tokens[:, None]).squeeze(-1)
+        reference = p.max(dim=-1, keepdim=True).values.expand_as(p)
+        extra = rule.criterion(p, reference).gather(-1, draft_tokens[:, None]).squeeze(-1)
         if generator is None:
             accept_extra = (extra >= 1.0).tolist()
         else:
@@ -237,9 +239,3 @@ def verify_relaxed(
         divergences.append(0.0)  # the bonus token comes from p itself
     assert len(divergences) == n + 1
     return Verdict(num_accepted=n, next_token=token, divergences=divergences)
-
-
-def _one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    out = torch.zeros(tokens.shape[0], vocab, device=tokens.device)
-    out[torch.arange(tokens.shape[0], device=tokens.device), tokens] = 1.0
-    return out

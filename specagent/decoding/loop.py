@@ -212,9 +212,7 @@ def _verify(
     tokens, q = proposal.tokens, proposal.probs
     draft = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     if params.greedy:
-        if rule is not None and q is None and proposal.logits is not None:
-            q = logits_to_probs(proposal.logits, params)
-        return verify_greedy(draft, logits, rule=rule, draft_probs=q, generator=generator)
+        return verify_greedy(draft, logits, rule=rule, generator=generator)
     p = logits_to_probs(logits, params)  # [k+1, V]
     if q is None:  # deterministic proposal: q is one-hot on the proposed tokens
         q = torch.zeros(len(tokens), p.shape[-1], device=p.device)

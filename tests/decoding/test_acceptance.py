@@ -150,6 +150,22 @@ def test_verify_greedy_exact_and_relaxed() -> None:
     assert relaxed.divergences == [1.0, 0.0, 0.0]  # the non-argmax token counts, the rest match
 
 
+def test_greedy_lenience_is_judged_against_the_argmax() -> None:
+    """At temperature 0 lenience accepts a non-argmax x with min(1, p(x) / (lenience * max p))."""
+    logits = torch.tensor([[0.0, 5.0, 4.9, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 9.0]])
+    ratio = math.exp(-0.1)  # p(2) / max p
+    assert verify_greedy(torch.tensor([2, 0]), logits, rule=LenienceRule(1.0)).num_accepted == 0
+    loose = verify_greedy(torch.tensor([2, 0]), logits, rule=LenienceRule(0.9))
+    assert (loose.num_accepted, loose.divergences) == (2, [1.0, 0.0, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    trials = 4000
+    accepted = sum(
+        verify_greedy(torch.tensor([2]), logits[[0, 1]], LenienceRule(1.0), gen).num_accepted
+        for _ in range(trials)
+    )
+    assert accepted / trials == pytest.approx(ratio, abs=0.03)
+
+
 def test_top_p_keeps_the_most_likely_token_and_renormalises() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
