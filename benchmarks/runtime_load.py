@@ -2,15 +2,17 @@
 latency against concurrency. Writes JSON and a PNG to benchmarks/results/.
 
     python benchmarks/runtime_load.py                       # SmolLM2-135M from the package index
+    python benchmarks/runtime_load.py --tiny                # a tiny random model, same tokenizer
     python benchmarks/runtime_load.py --target PATH --concurrency 1 4 16
 
 Prefix reuse: an agent resends a ~1,000-token system prompt (instructions and tool schemas) with a
 different question each turn; TTFT is measured on the same turns by a runtime with the prefix
 cache and one without, in one process.
 
-Concurrency: N greedy calls at once against the same calls one at a time. Calls share the worker
-step by step (round-robin); each step is still one sequence's forward, so this measures
-scheduling fairness and overhead, not batched throughput.
+Concurrency: N greedy calls at once against the same calls one at a time, with continuous
+batching (each step verifies every active call in one batched target forward) and without it
+(``batching=False``: the worker steps the calls one by one), plus whether every concurrent
+result equals the same call run alone.
 """
 
 from __future__ import annotations
@@ -90,61 +92,86 @@ def ttft_with_and_without_reuse(model: Any, tokenizer: Any, turns: int) -> dict[
 
 
 def concurrency(model: Any, tokenizer: Any, levels: list[int], new_tokens: int) -> dict[str, Any]:
-    rt = SpecRuntime(target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=0)
+    """Per level N: the N calls one at a time, then all at once with batched verification, then
+    all at once stepped one call at a time (``batching=False``), on the same runtime models."""
+    batched = SpecRuntime(
+        target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=0
+    )
+    stepped = batched.with_policies([POLICY], batching=False)
     short = [[{"role": "user", "content": q}] for q in QUESTIONS]
-    rt.generate_sync(short[0], policy="bench", max_new_tokens=4)
+    batched.generate_sync(short[0], policy="bench", max_new_tokens=4)
+    stepped.generate_sync(short[0], policy="bench", max_new_tokens=4)
     rows: dict[str, Any] = {}
 
     for n in levels:
         prompts = [short[i % len(short)] for i in range(n)]
         start = time.perf_counter()
         sequential = [
-            rt.generate_sync(p, policy="bench", max_new_tokens=new_tokens) for p in prompts
+            batched.generate_sync(p, policy="bench", max_new_tokens=new_tokens) for p in prompts
         ]
         seq_s = time.perf_counter() - start
-        latencies: list[float] = []
-        results: list[Any] = [None] * n
-
-        async def run_all(
-            n: int = n,
-            prompts: list = prompts,
-            results: list = results,
-            latencies: list = latencies,
-        ) -> None:
-            async def one(i: int) -> None:
-                t0 = time.perf_counter()
-                results[i] = await rt.generate(
-                    prompts[i], policy="bench", max_new_tokens=new_tokens
-                )
-                latencies.append(time.perf_counter() - t0)
-
-            async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(one, i)
-
-        start = time.perf_counter()
-        anyio.run(run_all)
-        conc_s = time.perf_counter() - start
-        tokens = sum(r.usage.output_tokens for r in results)
-        latencies.sort()
-        rows[str(n)] = {
-            "sequential_tokens_per_s": round(
-                sum(r.usage.output_tokens for r in sequential) / seq_s, 2
-            ),
-            "concurrent_tokens_per_s": round(tokens / conc_s, 2),
-            "throughput_ratio": round(
-                (tokens / conc_s) / (sum(r.usage.output_tokens for r in sequential) / seq_s), 3
-            ),
-            "latency_p50_s": round(latencies[len(latencies) // 2], 3),
-            "latency_p95_s": round(
-                latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 3
-            ),
-            "same_tokens_as_alone": [r.token_ids for r in results]
-            == [r.token_ids for r in sequential],
-        }
-        print(n, rows[str(n)], flush=True)
-    rt.close()
+        seq_rate = sum(r.usage.output_tokens for r in sequential) / seq_s
+        row: dict[str, Any] = {"sequential_tokens_per_s": round(seq_rate, 2)}
+        for label, rt in (("batched", batched), ("round_robin", stepped)):
+            results, latencies, seconds = _run_concurrently(rt, prompts, new_tokens)
+            rate = sum(r.usage.output_tokens for r in results) / seconds
+            latencies.sort()
+            row[label] = {
+                "tokens_per_s": round(rate, 2),
+                "throughput_ratio": round(rate / seq_rate, 3),
+                "latency_p50_s": round(latencies[len(latencies) // 2], 3),
+                "latency_p95_s": round(
+                    latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))], 3
+                ),
+                "same_tokens_as_alone": [r.token_ids for r in results]
+                == [r.token_ids for r in sequential],
+            }
+        rows[str(n)] = row
+        print(n, json.dumps(row), flush=True)
+    batched.close()
+    stepped.close()
     return rows
+
+
+def _run_concurrently(
+    rt: SpecRuntime, prompts: list[Any], new_tokens: int
+) -> tuple[list[Any], list[float], float]:
+    results: list[Any] = [None] * len(prompts)
+    latencies: list[float] = []
+
+    async def run_all() -> None:
+        async def one(i: int) -> None:
+            t0 = time.perf_counter()
+            results[i] = await rt.generate(prompts[i], policy="bench", max_new_tokens=new_tokens)
+            latencies.append(time.perf_counter() - t0)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+
+    start = time.perf_counter()
+    anyio.run(run_all)
+    return results, latencies, time.perf_counter() - start
+
+
+def tiny_model(tokenizer: Any) -> Any:
+    """A seeded 4-layer, 128-wide Llama over the tokenizer's vocabulary (random weights): the
+    per-step overhead regime of small models, where batching matters most on a CPU."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
 
 
 def chart(report: dict[str, Any], path: Path) -> None:
@@ -155,12 +182,13 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     levels = list(report["concurrency"])
-    left.plot(
-        levels,
-        [report["concurrency"][n]["concurrent_tokens_per_s"] for n in levels],
-        "o-",
-        label="concurrent",
-    )
+    for label, style in (("batched", "o-"), ("round_robin", "^:")):
+        left.plot(
+            levels,
+            [report["concurrency"][n][label]["tokens_per_s"] for n in levels],
+            style,
+            label=f"concurrent, {label.replace('_', ' ')}",
+        )
     left.plot(
         levels,
         [report["concurrency"][n]["sequential_tokens_per_s"] for n in levels],
@@ -189,18 +217,23 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny random model on the target's tokenizer"
+    )
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(args.target)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    report: dict[str, Any] = {"target": args.target}
+    model = tiny_model(tokenizer) if args.tiny else AutoModelForCausalLM.from_pretrained(path)
+    model.eval()
+    name = f"tiny-llama-4x128 ({args.target} tokenizer)" if args.tiny else args.target
+    report: dict[str, Any] = {"target": name}
     report["prefix_reuse"] = ttft_with_and_without_reuse(model, tokenizer, args.turns)
     print(json.dumps(report["prefix_reuse"], indent=1), flush=True)
     report["concurrency"] = concurrency(model, tokenizer, args.concurrency, args.new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"runtime_load_{Path(args.target).name}"
+    stem = f"runtime_load_{'tiny' if args.tiny else Path(args.target).name}"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     chart(report, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.json and .png")

@@ -387,10 +387,10 @@ def evaluate(
             rows = []
             total_tokens = total_cost = 0.0
             for prompt in prompts:
-                say(f"{label}: {prompt.id}")
                 twin_runs = run(twin, prompt, seeds)
                 own_runs = run(policy, prompt, seeds)
                 rows.append(_score(prompt.id, own_runs, twin_runs, similarity, model))
+                say(f"{label}: {prompt.id}")
                 total_tokens += sum(len(r.result.token_ids) for r in own_runs)
                 total_cost += sum(_modelled_cost(r.result, model) for r in own_runs)
             reports.append(

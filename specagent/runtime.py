@@ -33,7 +33,13 @@ from .catalog import resolve_model
 from .chat import Prompt, render_prompt
 from .decoding.cache import ModelRunner, PrefixCache, early_exit_view
 from .decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
-from .decoding.loop import DecodeCounters, DecodeEvent, speculative_generate
+from .decoding.loop import (
+    DecodeCounters,
+    DecodeEvent,
+    DecodeSteps,
+    ForwardRequest,
+    speculative_steps,
+)
 from .decoding.sampling import SamplingParams, make_generator
 from .decoding.schedule import AdaptiveSchedule, CostModel, FixedSchedule, Schedule, measure_costs
 from .decoding.stopping import StopStrings
@@ -144,7 +150,9 @@ class _Job:
     request: _Request
     sink: _Sink
     cancelled: threading.Event = field(default_factory=threading.Event)
-    steps: Iterator[DecodeEvent] | None = None
+    steps: DecodeSteps | None = None
+    pending: ForwardRequest | None = None
+    """The target forward this call's current step waits for (batched with the others')."""
 
 
 # --------------------------------------------------------------------------- the worker
@@ -200,8 +208,7 @@ class _Worker:
                         starting.append(self.inbox.popleft())
                 for job in starting:
                     self._start(job)
-                for job in list(self.active):
-                    self._step(job)
+                self._step_all()
         except BaseException as exc:  # a bug in the worker itself: fail everyone, say why
             self._fail_all(GenerationError(f"the runtime worker stopped: {exc!r}"))
             raise
@@ -220,29 +227,70 @@ class _Worker:
             return
         try:
             job.steps = self.runtime._decode(job.request)
-            self.active.append(job)
         except Exception as exc:
             job.sink.put(("error", _as_generation_error(exc)))
-
-    def _step(self, job: _Job) -> None:
-        if job.cancelled.is_set():
-            self._finish(job)
             return
+        self.active.append(job)
+        self._resume(job, None)  # prefill and first draft, up to the first verification
+
+    def _step_all(self) -> None:
+        """One decoding step of every active call: the verification forwards of all calls on
+        the same model run as one batched forward (``ModelRunner.forward_batch``), then each
+        call takes its logits, emits its tokens and drafts its next step."""
+        groups: dict[int, list[_Job]] = {}
+        for job in list(self.active):
+            if job.cancelled.is_set():
+                self._finish(job)
+            elif job.pending is not None:
+                groups.setdefault(id(job.pending.runner), []).append(job)
+        for jobs in groups.values():
+            requests = [job.pending for job in jobs if job.pending is not None]
+            logits: list[torch.Tensor] | None = None
+            if self.runtime.batching and len(requests) > 1:
+                try:
+                    logits = requests[0].runner.forward_batch(
+                        [(r.tokens, r.cache) for r in requests]
+                    )
+                except Exception as exc:  # find the culprit: retry the calls one by one
+                    _release_device_memory(exc)
+            for i, job in enumerate(jobs):
+                request, job.pending = job.pending, None
+                assert request is not None
+                try:
+                    reply = logits[i] if logits is not None else request.run()
+                except Exception as exc:
+                    self._fail(job, exc)
+                    continue
+                self._resume(job, reply)
+
+    def _resume(self, job: _Job, reply: torch.Tensor | None) -> None:
+        """Run the call until its next forward request (kept as ``pending``) or its end,
+        delivering the events on the way."""
         assert job.steps is not None
         try:
-            event = next(job.steps)
+            while True:
+                item = job.steps.send(reply)
+                reply = None
+                if isinstance(item, ForwardRequest):
+                    job.pending = item
+                    return
+                if item.finish_reason is not None:
+                    self._finish(job)
+                    job.sink.put(("done", item))
+                    return
+                job.sink.put(("tokens", item))
+        except StopIteration:
+            self._finish(job)
         except Exception as exc:
-            self._finish(job)
-            _release_device_memory(exc)
-            job.sink.put(("error", _as_generation_error(exc)))
-            return
-        if event.finish_reason is not None:
-            self._finish(job)
-            job.sink.put(("done", event))
-        else:
-            job.sink.put(("tokens", event))
+            self._fail(job, exc)
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        self._finish(job)
+        _release_device_memory(exc)
+        job.sink.put(("error", _as_generation_error(exc)))
 
     def _finish(self, job: _Job) -> None:
+        job.pending = None
         if job.steps is not None:
             close = getattr(job.steps, "close", None)
             if close is not None:
@@ -371,6 +419,7 @@ class SpecRuntime:
         max_active: int = 64,
         max_queue: int = 256,
         prefix_cache_tokens: int = 65536,
+        batching: bool = True,
         tracer_provider: Any | None = None,
         meter_provider: Any | None = None,
     ) -> None:
@@ -388,6 +437,8 @@ class SpecRuntime:
         self.model_name = model_name or _model_name(self.target)
         self.max_active = max_active
         self.max_queue = max_queue
+        self.batching = batching
+        """Verify concurrent calls' steps in one batched target forward (else one by one)."""
         self.policies = _coerce_policies(policies).with_default(default_policy(draft is not None))
         self._check_policies_fit_models()
         self._target_runner = ModelRunner(self.target)  # type: ignore[arg-type]
@@ -450,6 +501,7 @@ class SpecRuntime:
             "max_active": self.max_active,
             "max_queue": self.max_queue,
             "prefix_cache_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
+            "batching": self.batching,
             "tracer_provider": self._telemetry.tracer_provider,
             "meter_provider": self._telemetry.meter_provider,
         }
@@ -705,15 +757,15 @@ class SpecRuntime:
             parent=parent,
         )
 
-    def _decode(self, request: _Request) -> Iterator[DecodeEvent]:
-        """Worker side: the decoding generator for one call."""
+    def _decode(self, request: _Request) -> DecodeSteps:
+        """Worker side: the decoding coroutine for one call."""
         policy = request.policy
         drafter, schedule = self._drafter_for(policy)
         acceptance = policy.acceptance
         stop_check = (
             StopStrings(request.stop, self._decode_text).tokens_to_keep if request.stop else None
         )
-        return speculative_generate(
+        return speculative_steps(
             self._target_runner,
             request.prompt_ids,
             params=request.params,

@@ -416,9 +416,15 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
     real_decode = rt._decode
 
     def gated_decode(request):
-        for event in real_decode(request):
+        steps = real_decode(request)
+        reply = None
+        while True:
             gate.wait()
-            yield event
+            try:
+                item = steps.send(reply)
+            except StopIteration:
+                return
+            reply = yield item
 
     rt._decode = gated_decode  # type: ignore[method-assign]
 

@@ -84,6 +84,83 @@ class ModelRunner:
             logits = _align_vocab(logits, self.vocab_size)
         return logits.float()
 
+    @torch.inference_mode()
+    def forward_batch(
+        self, requests: Sequence[tuple[list[int], DynamicCache]]
+    ) -> list[torch.Tensor]:
+        """``forward`` for several sequences at once: one model call over all of them, each
+        feeding its own tokens after its own cache. Returns each request's logits ``[n_i, V]``
+        and appends each one's new KV to its cache, exactly as ``forward`` would.
+
+        Caches differ in length and requests in token count: caches are left-padded and tokens
+        right-padded into one batch, with an attention mask that hides the padding and position
+        ids that continue each sequence where it stands. The batch cache is a temporary copy;
+        each call's own cache stays the source of truth, so calls join and leave between steps
+        freely. Caches with other layer types (sliding windows, quantised) run one by one."""
+        if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
+            return [self.forward(tokens, cache) for tokens, cache in requests]
+        lengths = [cache.get_seq_length() for _, cache in requests]
+        counts = [len(tokens) for tokens, _ in requests]
+        longest, widest, size = max(lengths), max(counts), len(requests)
+        batch_cache = self.new_cache()
+        if longest > 0:
+            template = next(c for (_, c), n in zip(requests, lengths, strict=True) if n)
+            for layer in range(len(template.layers)):
+                keys, values = [], []
+                for (_, cache), length in zip(requests, lengths, strict=True):
+                    k, v = _layer_kv(cache, layer, template)
+                    pad = (0, 0, longest - length, 0)  # left-pad the sequence dimension
+                    keys.append(torch.nn.functional.pad(k, pad))
+                    values.append(torch.nn.functional.pad(v, pad))
+                batch_cache.update(torch.cat(keys), torch.cat(values), layer)
+        ids = torch.zeros(size, widest, dtype=torch.long)
+        mask = torch.zeros(size, longest + widest, dtype=torch.long)
+        positions = torch.zeros(size, widest, dtype=torch.long)
+        for i, ((tokens, _), length) in enumerate(zip(requests, lengths, strict=True)):
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, longest - length : longest + len(tokens)] = 1
+            positions[i] = torch.arange(length, length + widest)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=True,
+            **{self._cache_kw: batch_cache},
+        )
+        results = []
+        for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
+            logits = out.logits[i, :count]
+            if logits.shape[-1] != self.vocab_size:
+                logits = _align_vocab(logits, self.vocab_size)
+            results.append(logits.float())
+            batch_layers: list[Any] = list(batch_cache.layers)
+            for layer, batch_layer in enumerate(batch_layers):
+                new = slice(longest, longest + count)
+                cache.update(
+                    batch_layer.keys[i : i + 1, :, new],
+                    batch_layer.values[i : i + 1, :, new],
+                    layer,
+                )
+        return results
+
+
+def _plain_layers(cache: DynamicCache) -> bool:
+    layers = getattr(cache, "layers", None)
+    return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _layer_kv(
+    cache: DynamicCache, layer: int, template: DynamicCache
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's cached keys and values, or empty ones shaped like ``template``'s."""
+    if cache.get_seq_length() > 0:
+        own: Any = cache.layers[layer]
+        return own.keys, own.values
+    ref: Any = template.layers[layer]
+    shape = (1, ref.keys.shape[1], 0, ref.keys.shape[-1])
+    empty = ref.keys.new_zeros(shape)
+    return empty, ref.values.new_zeros((*shape[:3], ref.values.shape[-1]))
+
 
 def prefill(
     runner: ModelRunner, tokens: Sequence[int], prefixes: PrefixCache | None

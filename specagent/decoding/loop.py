@@ -1,9 +1,12 @@
 """The speculative decoding loop for one sequence.
 
-``speculative_generate`` is a generator: every ``next()`` runs exactly one decoding step (draft,
-verify, accept, roll back) and yields the tokens that step emitted. The caller therefore decides
-between steps whether to go on, which is how the runtime cancels a call at the next step and
-interleaves many calls on one worker. The final event carries the finish reason and counters.
+``speculative_steps`` is a coroutine: each decoding step yields a ``ForwardRequest`` (the target
+forward that verifies the step's drafts), receives the logits through ``send``, and then yields
+the ``DecodeEvent`` with the tokens the step emitted. The caller runs the forward, which is how
+the runtime batches the verification of many calls into one model call, and decides between
+steps whether to go on (cancellation at the next step). ``speculative_generate`` runs the
+forwards inline for a single sequence and yields only the events. The final event carries the
+finish reason and counters.
 
 One step, with ``context`` = prompt + output so far and the target cache holding all of it but the
 last token:
@@ -17,18 +20,26 @@ last token:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import ModelRunner, PrefixCache, crop_to, prefill
+from .cache import DynamicCache, ModelRunner, PrefixCache, crop_to, prefill
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 
-__all__ = ["DecodeCounters", "DecodeEvent", "speculative_generate"]
+__all__ = [
+    "DecodeCounters",
+    "DecodeEvent",
+    "DecodeSteps",
+    "ForwardRequest",
+    "speculative_generate",
+    "speculative_steps",
+]
 
 StopCheck = Callable[[list[int]], "int | None"]
 """Given the output so far, the number of tokens to keep if a stop string appeared, else None."""
@@ -89,7 +100,43 @@ class DecodeEvent:
     """On the last event: the whole output, cut before any stop string or EOS."""
 
 
+@dataclass
+class ForwardRequest:
+    """A target forward a decoding step needs: ``tokens`` fed after what ``cache`` holds. The
+    step continues when it is sent the logits ``[len(tokens), V]`` (``ModelRunner.forward``)."""
+
+    runner: ModelRunner
+    tokens: list[int]
+    cache: DynamicCache
+
+    def run(self) -> torch.Tensor:
+        return self.runner.forward(self.tokens, self.cache)
+
+
+DecodeSteps = Generator["ForwardRequest | DecodeEvent", "torch.Tensor | None", None]
+
+
 def speculative_generate(
+    target: ModelRunner, prompt_ids: Sequence[int], **options: Any
+) -> Iterator[DecodeEvent]:
+    """``speculative_steps`` with every forward run inline: one event per step."""
+    steps = speculative_steps(target, prompt_ids, **options)
+    try:
+        reply: torch.Tensor | None = None
+        while True:
+            item = steps.send(reply)
+            if isinstance(item, ForwardRequest):
+                reply = item.run()
+            else:
+                reply = None
+                yield item
+    except StopIteration:
+        return
+    finally:
+        steps.close()
+
+
+def speculative_steps(
     target: ModelRunner,
     prompt_ids: Sequence[int],
     *,
@@ -105,8 +152,9 @@ def speculative_generate(
     max_context: int | None = None,
     constraint: TokenConstraint | None = None,
     prefixes: PrefixCache | None = None,
-) -> Iterator[DecodeEvent]:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``, one step per ``next()``.
+) -> DecodeSteps:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids``: per step, a forward request,
+    then (after the logits are sent) the step's event.
 
     ``rule=None`` is lossless. With a rule, ``max_divergence`` bounds the running mean divergence:
     once it is exceeded, the rest of the call is verified losslessly. A ``constraint`` (a
@@ -137,7 +185,9 @@ def speculative_generate(
             proposal = EMPTY
         proposed = len(proposal.tokens)
         masks = _masks_and_rewind(constraint, proposal) if constraint is not None else None
-        logits = target.forward([context[-1], *proposal.tokens], cache)  # [k+1, V]
+        logits = yield ForwardRequest(target, [context[-1], *proposal.tokens], cache)  # [k+1, V]
+        if logits is None:
+            raise RuntimeError("a forward request must be answered with its logits")
         if masks is not None:
             logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
         verdict = _verify(proposal, logits, params, rule, generator)
