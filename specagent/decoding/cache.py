@@ -13,6 +13,7 @@ import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 __all__ = [
+    "ForwardRequest",
     "ModelRunner",
     "PrefixCache",
     "common_prefix_length",
@@ -160,6 +162,21 @@ def _layer_kv(
     shape = (1, ref.keys.shape[1], 0, ref.keys.shape[-1])
     empty = ref.keys.new_zeros(shape)
     return empty, ref.values.new_zeros((*shape[:3], ref.values.shape[-1]))
+
+
+@dataclass
+class ForwardRequest:
+    """A target forward a decoding step needs: ``tokens`` fed after what ``cache`` holds. The
+    step continues when it is sent the logits ``[len(tokens), V]`` (``ModelRunner.forward``)."""
+
+    runner: ModelRunner
+    tokens: list[int]
+    cache: DynamicCache
+    keep: int | None = None
+    """Logits wanted for the last ``keep`` positions only (None: all)."""
+
+    def run(self) -> torch.Tensor:
+        return self.runner.forward(self.tokens, self.cache, self.keep)
 
 
 def prefill(

@@ -14,13 +14,20 @@ many of its tokens were accepted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
-from .cache import ModelRunner, PrefixCache, common_prefix_length, crop_to, prefill
+from .cache import (
+    ForwardRequest,
+    ModelRunner,
+    PrefixCache,
+    common_prefix_length,
+    crop_to,
+    prefill,
+)
 from .sampling import SamplingParams, logits_to_probs, sample
 
 __all__ = [
@@ -30,6 +37,8 @@ __all__ = [
     "PromptLookupDrafter",
     "Proposal",
     "TokenConstraint",
+    "draft_steps",
+    "run_inline",
 ]
 
 
@@ -61,6 +70,18 @@ class TokenConstraint(Protocol):
 
 
 EMPTY = Proposal(tokens=[])
+
+T = TypeVar("T")
+
+
+def run_inline(steps: Generator[ForwardRequest, torch.Tensor | None, T]) -> T:
+    """Drive a coroutine of forward requests by running each forward directly."""
+    reply: torch.Tensor | None = None
+    try:
+        while True:
+            reply = steps.send(reply).run()
+    except StopIteration as stop:
+        return stop.value
 
 
 class Drafter(Protocol):
@@ -117,6 +138,18 @@ class DraftModelDrafter:
         generator: torch.Generator,
         constraint: TokenConstraint | None = None,
     ) -> Proposal:
+        return run_inline(self.propose_steps(context, k, params, generator, constraint))
+
+    def propose_steps(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        """``propose`` as a coroutine that yields each draft forward instead of running it, so
+        the runtime can batch the draft steps of many calls into one forward."""
         if k <= 0 or not context:
             return EMPTY
         if not self._cached and self._prefixes is not None and len(context) > 1:
@@ -131,7 +164,10 @@ class DraftModelDrafter:
         rows: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
         for step in range(k):
-            logits = self.runner.forward(feed, self.cache, keep=1)[-1]
+            logits = yield ForwardRequest(self.runner, feed, self.cache, keep=1)
+            if logits is None:
+                raise RuntimeError("a draft forward request must be answered with its logits")
+            logits = logits[-1]
             self._cached.extend(feed)
             if constraint is not None:
                 mask = constraint.allowed().to(logits.device)
@@ -220,6 +256,23 @@ class PromptLookupDrafter:
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Lookup has no state to update."""
+
+
+def draft_steps(
+    drafter: Drafter,
+    context: list[int],
+    k: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    constraint: TokenConstraint | None = None,
+) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+    """A proposal, yielding the drafter's forwards when it has any (``propose_steps``) so they
+    can be batched; drafters without a model (prompt lookup) answer at once."""
+    stepwise = getattr(drafter, "propose_steps", None)
+    if stepwise is None:
+        return drafter.propose(context, k, params, generator, constraint)
+    proposal: Proposal = yield from stepwise(context, k, params, generator, constraint)
+    return proposal
 
 
 def _admissible(tokens: list[int], constraint: TokenConstraint | None) -> Proposal:

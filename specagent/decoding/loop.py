@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import DynamicCache, ModelRunner, PrefixCache, crop_to, prefill
-from .drafters import EMPTY, Drafter, Proposal, TokenConstraint
+from .cache import ForwardRequest, ModelRunner, PrefixCache, crop_to, prefill
+from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, draft_steps
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 
@@ -100,19 +100,6 @@ class DecodeEvent:
     """On the last event: the whole output, cut before any stop string or EOS."""
 
 
-@dataclass
-class ForwardRequest:
-    """A target forward a decoding step needs: ``tokens`` fed after what ``cache`` holds. The
-    step continues when it is sent the logits ``[len(tokens), V]`` (``ModelRunner.forward``)."""
-
-    runner: ModelRunner
-    tokens: list[int]
-    cache: DynamicCache
-
-    def run(self) -> torch.Tensor:
-        return self.runner.forward(self.tokens, self.cache)
-
-
 DecodeSteps = Generator["ForwardRequest | DecodeEvent", "torch.Tensor | None", None]
 
 
@@ -180,7 +167,7 @@ def speculative_steps(
         room = min(max_new_tokens - len(output), limit - len(context))
         k = schedule.next_k(int(min(room - 1, 1 << 30))) if drafter is not None else 0
         if k > 0 and drafter is not None:
-            proposal = drafter.propose(context, k, params, generator, constraint)
+            proposal = yield from draft_steps(drafter, context, k, params, generator, constraint)
         else:
             proposal = EMPTY
         proposed = len(proposal.tokens)

@@ -1,0 +1,221 @@
+"""Continuous batching: concurrent calls share batched verification forwards, and nothing about a
+call's output depends on who else was running; plus a soak of a few hundred mixed calls."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import anyio
+import pytest
+import torch
+
+from specagent import InvalidRequestError, Policy, PolicyNotFoundError, SpecRuntime
+
+pytestmark = pytest.mark.anyio
+
+MIXED = [
+    Policy(
+        name="exact",
+        description="lossless, draft model, fixed k",
+        mode="lossless",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+    ),
+    Policy(
+        name="lookup",
+        description="lossless, prompt lookup, k=6",
+        mode="lossless",
+        drafter={"kind": "prompt_lookup", "num_speculative_tokens": 6, "adaptive": False},
+    ),
+    Policy(
+        name="relaxed",
+        description="typical acceptance, k=3",
+        mode="relaxed",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
+        acceptance={"rule": "typical", "epsilon": 0.2},
+    ),
+    Policy(
+        name="lenient",
+        description="lenience, k=2",
+        mode="relaxed",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 2, "adaptive": False},
+        acceptance={"rule": "lenience", "lenience": 0.4},
+    ),
+    Policy(
+        name="plain",
+        description="no drafting",
+        mode="lossless",
+        drafter={"kind": "none"},
+    ),
+]
+
+
+@pytest.fixture
+def runtime(target, draft, tokenizer):
+    rt = SpecRuntime(
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        policies=MIXED,
+        device="cpu",
+        prefix_cache_tokens=0,
+    )
+    yield rt
+    rt.close()
+
+
+def _spy_batches(rt: SpecRuntime) -> list[int]:
+    """Record the size of every batched verification (the real forward still runs)."""
+    sizes: list[int] = []
+    real = rt._target_runner.forward_batch
+
+    def forward_batch(requests):
+        sizes.append(len(requests))
+        return real(requests)
+
+    rt._target_runner.forward_batch = forward_batch  # type: ignore[method-assign]
+    return sizes
+
+
+def _random_calls(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    calls = []
+    for i in range(n):
+        prompt = [rng.randrange(7, 320) for _ in range(rng.randrange(1, 40))]
+        calls.append(
+            {
+                "prompt": prompt,
+                "policy": MIXED[i % len(MIXED)].name,
+                "max_new_tokens": rng.randrange(4, 24),
+                "seed": i,
+                # greedy and sampled calls in the same batches
+                "temperature": 0.0 if i % 3 else 0.9,
+            }
+        )
+    return calls
+
+
+async def _all_at_once(rt: SpecRuntime, calls: list[dict]) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in calls]
+
+    async def one(i: int) -> None:
+        call = dict(calls[i])
+        results[i] = (await rt.generate(call.pop("prompt"), **call)).token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return results
+
+
+async def test_batched_results_equal_each_call_run_alone(runtime) -> None:
+    """Random prompts of ragged lengths, five policies (rules, k, drafters, no drafting) and
+    greedy and seeded sampled calls mixed in one batch: every result equals the call alone."""
+    calls = _random_calls(20, seed=3)
+    alone = []
+    for call in calls:
+        call = dict(call)
+        alone.append((await runtime.generate(call.pop("prompt"), **call)).token_ids)
+    sizes = _spy_batches(runtime)
+    together = await _all_at_once(runtime, calls)
+    assert max(sizes) >= 10  # the calls really shared forwards
+    assert together == alone
+
+
+async def test_calls_join_and_leave_between_steps(runtime) -> None:
+    """A long call keeps running while short ones join its batch and finish first: some of its
+    steps are verified together with them, the others alone."""
+    sizes = _spy_batches(runtime)
+    finished: list[str] = []
+    results = {}
+
+    async def call(name: str, tokens: int, delay: float) -> None:
+        await anyio.sleep(delay)
+        results[name] = await runtime.generate("abc " * 3, policy="exact", max_new_tokens=tokens)
+        finished.append(name)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call, "long", 200, 0.0)
+        for i in range(4):
+            tg.start_soon(call, f"short-{i}", 5, 0.02 * (i + 1))
+    assert finished[-1] == "long"
+    long = results["long"]
+    long_steps = long.usage.output_tokens / long.stats.mean_acceptance_length
+    assert sizes  # the short calls shared steps with the long one
+    assert len(sizes) < long_steps  # and it went on alone after they left
+
+
+async def test_cancelled_calls_free_their_slot_and_caches(runtime) -> None:
+    worker = runtime._ensure_worker()
+    with anyio.move_on_after(0.1):
+        await _all_at_once(
+            runtime,
+            [{"prompt": "x y z", "policy": "exact", "max_new_tokens": 400} for _ in range(6)],
+        )
+    for _ in range(200):
+        if not worker.active:
+            break
+        await anyio.sleep(0.01)
+    assert worker.active == []
+    assert not worker.inbox
+
+
+@pytest.mark.slow
+async def test_soak_mixed_calls_cancellations_and_bad_inputs(runtime, tokenizer) -> None:
+    """300 calls in waves: valid ones (compared with their reference run alone), calls cancelled
+    at random moments, and bad inputs. Every success is correct, every bad input gets its error,
+    the worker ends idle, and live tensors do not grow from wave to wave."""
+    rng = random.Random(7)
+    references: dict[int, list[int]] = {}
+    valid = _random_calls(12, seed=11)
+    for i, call in enumerate(valid):
+        call = dict(call)
+        references[i] = (await runtime.generate(call.pop("prompt"), **call)).token_ids
+    outcomes = {"ok": 0, "cancelled": 0, "refused": 0}
+
+    async def one() -> None:
+        kind = rng.random()
+        if kind < 0.15:  # bad input: unknown policy, empty prompt, or a bad temperature
+            bad = rng.choice(
+                [
+                    ({"prompt": "hi", "policy": "nope"}, PolicyNotFoundError),
+                    ({"prompt": [], "policy": "exact"}, InvalidRequestError),
+                    ({"prompt": "hi", "policy": "exact", "temperature": -1}, InvalidRequestError),
+                ]
+            )
+            call, error = bad
+            call = dict(call)
+            with pytest.raises(error):
+                await runtime.generate(call.pop("prompt"), **call)
+            outcomes["refused"] += 1
+            return
+        index = rng.randrange(len(valid))
+        call = dict(valid[index])
+        if kind < 0.35:  # cancelled part-way
+            with anyio.move_on_after(rng.uniform(0.0, 0.05)) as scope:
+                await runtime.generate(call.pop("prompt"), **call)
+            outcomes["cancelled" if scope.cancelled_caught else "ok"] += 1
+            return
+        result = await runtime.generate(call.pop("prompt"), **call)
+        assert result.token_ids == references[index]
+        outcomes["ok"] += 1
+
+    def live_tensors() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+    worker = runtime._ensure_worker()
+    counts = []
+    for _ in range(6):
+        async with anyio.create_task_group() as tg:
+            for _ in range(50):
+                tg.start_soon(one)
+        for _ in range(200):
+            if not worker.active:
+                break
+            await anyio.sleep(0.01)
+        assert worker.active == []
+        counts.append(live_tensors())
+    assert sum(outcomes.values()) == 300
+    assert min(outcomes.values()) > 10
+    assert counts[-1] <= counts[1] + 20, counts  # flat after the first wave's warm-up
