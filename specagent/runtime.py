@@ -152,14 +152,14 @@ class _Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     steps: DecodeSteps | None = None
     pending: ForwardRequest | None = None
-    """The target forward this call's current step waits for (batched with the others')."""
+    """The forward (draft or target) this call waits for, batched with the other calls'."""
 
 
 # --------------------------------------------------------------------------- the worker
 
 
 class _Worker:
-    """The one thread that runs the models. Steps every active call in turn."""
+    """The one thread that runs the models: continuous batching of every active call."""
 
     def __init__(self, runtime: SpecRuntime) -> None:
         self.runtime = runtime
@@ -234,9 +234,9 @@ class _Worker:
         self._resume(job, None)  # prefill and first draft, up to the first verification
 
     def _step_all(self) -> None:
-        """One decoding step of every active call: the verification forwards of all calls on
-        the same model run as one batched forward (``ModelRunner.forward_batch``), then each
-        call takes its logits, emits its tokens and drafts its next step."""
+        """One round: the pending forwards of all active calls (draft steps and verifications)
+        run as one batched forward per model (``ModelRunner.forward_batch``); each call then
+        takes its logits and runs on to its next forward, emitting tokens on the way."""
         groups: dict[int, list[_Job]] = {}
         for job in list(self.active):
             if job.cancelled.is_set():
@@ -438,7 +438,8 @@ class SpecRuntime:
         self.max_active = max_active
         self.max_queue = max_queue
         self.batching = batching
-        """Verify concurrent calls' steps in one batched target forward (else one by one)."""
+        """Batch concurrent calls' draft and verification forwards, one forward per model per
+        round (else each call's forward runs on its own)."""
         self.policies = _coerce_policies(policies).with_default(default_policy(draft is not None))
         self._check_policies_fit_models()
         self._target_runner = ModelRunner(self.target)  # type: ignore[arg-type]

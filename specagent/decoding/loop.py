@@ -1,10 +1,11 @@
 """The speculative decoding loop for one sequence.
 
-``speculative_steps`` is a coroutine: each decoding step yields a ``ForwardRequest`` (the target
-forward that verifies the step's drafts), receives the logits through ``send``, and then yields
-the ``DecodeEvent`` with the tokens the step emitted. The caller runs the forward, which is how
-the runtime batches the verification of many calls into one model call, and decides between
-steps whether to go on (cancellation at the next step). ``speculative_generate`` runs the
+``speculative_steps`` is a coroutine: every forward a step needs (each draft-model token, then
+the target forward that verifies the drafts) is yielded as a ``ForwardRequest`` and its logits
+come back through ``send``; then the step yields the ``DecodeEvent`` with the tokens it emitted.
+The caller runs the forwards, which is how the runtime batches the forwards of many calls into
+one model call per model, and decides between steps whether to go on (cancellation at the next
+step). ``speculative_generate`` runs the
 forwards inline for a single sequence and yields only the events. The final event carries the
 finish reason and counters.
 
