@@ -69,9 +69,9 @@ def _spy_batches(rt: SpecRuntime) -> list[int]:
     sizes: list[int] = []
     real = rt._target_runner.forward_batch
 
-    def forward_batch(requests):
+    def forward_batch(requests, keep=None):
         sizes.append(len(requests))
-        return real(requests)
+        return real(requests, keep)
 
     rt._target_runner.forward_batch = forward_batch  # type: ignore[method-assign]
     return sizes

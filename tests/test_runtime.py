@@ -340,9 +340,9 @@ def test_lossless_distribution_through_the_runtime() -> None:
     batch_sizes: list[int] = []
     real_batch = rt._target_runner.forward_batch
 
-    def spy(requests):  # records what the worker batched; the real forward does the work
+    def spy(requests, keep=None):  # records what the worker batched; the real forward works
         batch_sizes.append(len(requests))
-        return real_batch(requests)
+        return real_batch(requests, keep)
 
     rt._target_runner.forward_batch = spy  # type: ignore[method-assign]
 

@@ -47,8 +47,8 @@ def crop_to(cache: DynamicCache, length: int) -> None:
 class ModelRunner:
     """Runs one causal LM forward over new tokens with its cache, returning float32 logits.
 
-    Batch size is 1 here: one call's sequence. ``logits_to_keep`` avoids computing the
-    vocabulary projection for prompt positions nobody reads.
+    ``forward`` runs one call's sequence, ``forward_batch`` several at once. ``logits_to_keep``
+    avoids computing the vocabulary projection for prompt positions nobody reads.
     """
 
     def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
@@ -61,6 +61,12 @@ class ModelRunner:
         self.vocab_size = vocab_size or own_vocab
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = next(model.parameters()).device
+        body = self._decoder_body()
+        body_params = _forward_params(type(body)) if body is not None else frozenset()
+        self._base_cache_kw = "cache" if "cache" in body_params else "past_key_values"
+        self._gather_checked: bool | None = None
+        """Whether projecting gathered hidden states equals the model's own logits (checked
+        once, on the first batch; None until then)."""
 
     def new_cache(self) -> DynamicCache:
         try:
@@ -88,19 +94,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_batch(
-        self, requests: Sequence[tuple[list[int], DynamicCache]]
+        self,
+        requests: Sequence[tuple[list[int], DynamicCache]],
+        keep: Sequence[int | None] | None = None,
     ) -> list[torch.Tensor]:
         """``forward`` for several sequences at once: one model call over all of them, each
-        feeding its own tokens after its own cache. Returns each request's logits ``[n_i, V]``
-        and appends each one's new KV to its cache, exactly as ``forward`` would.
+        feeding its own tokens after its own cache. Returns each request's logits (``[n_i, V]``,
+        or its last ``keep[i]`` positions) and appends each one's new KV to its cache, exactly as
+        ``forward`` would.
 
         Caches differ in length and requests in token count: caches are left-padded and tokens
         right-padded into one batch, with an attention mask that hides the padding and position
         ids that continue each sequence where it stands. The batch cache is a temporary copy;
         each call's own cache stays the source of truth, so calls join and leave between steps
-        freely. Caches with other layer types (sliding windows, quantised) run one by one."""
+        freely. Caches with other layer types (sliding windows, quantised) run one by one.
+
+        The vocabulary projection is the largest matrix product of a small model; it runs only
+        over the positions somebody reads (``_gathered_logits``), not over the padding or the
+        positions ``keep`` drops."""
+        keeps = list(keep) if keep is not None else [None] * len(requests)
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
-            return [self.forward(tokens, cache) for tokens, cache in requests]
+            return [
+                self.forward(tokens, cache, k)
+                for (tokens, cache), k in zip(requests, keeps, strict=True)
+            ]
         lengths = [cache.get_seq_length() for _, cache in requests]
         counts = [len(tokens) for tokens, _ in requests]
         longest, widest, size = max(lengths), max(counts), len(requests)
@@ -108,13 +125,18 @@ class ModelRunner:
         if longest > 0:
             template = next(c for (_, c), n in zip(requests, lengths, strict=True) if n)
             for layer in range(len(template.layers)):
-                keys, values = [], []
-                for (_, cache), length in zip(requests, lengths, strict=True):
-                    k, v = _layer_kv(cache, layer, template)
-                    pad = (0, 0, longest - length, 0)  # left-pad the sequence dimension
-                    keys.append(torch.nn.functional.pad(k, pad))
-                    values.append(torch.nn.functional.pad(v, pad))
-                batch_cache.update(torch.cat(keys), torch.cat(values), layer)
+                ref: Any = template.layers[layer]
+                # Left-padded with zeros (masked out; garbage could be NaN and spread).
+                keys = ref.keys.new_zeros((size, *ref.keys.shape[1:2], longest, ref.keys.shape[3]))
+                values = ref.values.new_zeros(
+                    (size, *ref.values.shape[1:2], longest, ref.values.shape[3])
+                )
+                for i, ((_, cache), length) in enumerate(zip(requests, lengths, strict=True)):
+                    if length:
+                        own: Any = cache.layers[layer]
+                        keys[i, :, longest - length :] = own.keys[0]
+                        values[i, :, longest - length :] = own.values[0]
+                batch_cache.update(keys, values, layer)
         ids = torch.zeros(size, widest, dtype=torch.long)
         mask = torch.zeros(size, longest + widest, dtype=torch.long)
         positions = torch.zeros(size, widest, dtype=torch.long)
@@ -122,16 +144,21 @@ class ModelRunner:
             ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask[i, longest - length : longest + len(tokens)] = 1
             positions[i] = torch.arange(length, length + widest)
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device),
-            use_cache=True,
-            **{self._cache_kw: batch_cache},
-        )
+        # Rows of the flattened [size * widest] positions whose logits are read.
+        wanted = [
+            (i, count - min(count, k if k is not None else count), count)
+            for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
+        ]
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": mask.to(self.device),
+            "position_ids": positions.to(self.device),
+            "use_cache": True,
+        }
+        all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest)
         results = []
         for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
-            logits = out.logits[i, :count]
+            logits = all_logits[i]
             if logits.shape[-1] != self.vocab_size:
                 logits = _align_vocab(logits, self.vocab_size)
             results.append(logits.float())
@@ -145,23 +172,57 @@ class ModelRunner:
                 )
         return results
 
+    def _gathered_logits(
+        self,
+        inputs: dict[str, Any],
+        batch_cache: DynamicCache,
+        wanted: list[tuple[int, int, int]],
+        widest: int,
+    ) -> list[torch.Tensor]:
+        """Logits of positions ``start:stop`` of each row ``(row, start, stop)`` in ``wanted``.
+
+        Runs the decoder body, gathers the wanted hidden states and projects only those. Models
+        whose head is more than the output embedding (logit soft-capping, scaling) would give
+        other numbers, so the first batch also runs the full model and compares; on any
+        difference this runner keeps using the full model's logits."""
+        base = self._decoder_body()
+        if base is None or self._gather_checked is False:
+            out = self.model(**inputs, **{self._cache_kw: batch_cache})
+            return [out.logits[row, start:stop] for row, start, stop in wanted]
+        check = self._gather_checked is None
+        reference_cache = copy.deepcopy(batch_cache) if check else None
+        hidden = base(**inputs, **{self._base_cache_kw: batch_cache}).last_hidden_state
+        index = torch.tensor(
+            [row * widest + j for row, start, stop in wanted for j in range(start, stop)],
+            dtype=torch.long,
+            device=hidden.device,
+        )
+        head = self.model.get_output_embeddings()
+        flat = head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index))
+        pieces = list(torch.split(flat, [stop - start for _, start, stop in wanted]))
+        if check:
+            full = self.model(**inputs, **{self._cache_kw: reference_cache}).logits
+            self._gather_checked = all(
+                torch.allclose(piece.float(), full[row, start:stop].float(), atol=1e-3, rtol=1e-3)
+                for piece, (row, start, stop) in zip(pieces, wanted, strict=True)
+            )
+            if not self._gather_checked:
+                return [full[row, start:stop] for row, start, stop in wanted]
+        return pieces
+
+    def _decoder_body(self) -> nn.Module | None:
+        """The model without its LM head (``model.model`` for Llama-style models), if any."""
+        prefix = getattr(self.model, "base_model_prefix", "model")
+        base = getattr(self.model, prefix, None)
+        head = self.model.get_output_embeddings()
+        if not isinstance(base, nn.Module) or base is self.model or head is None:
+            return None
+        return base
+
 
 def _plain_layers(cache: DynamicCache) -> bool:
     layers = getattr(cache, "layers", None)
     return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
-
-
-def _layer_kv(
-    cache: DynamicCache, layer: int, template: DynamicCache
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's cached keys and values, or empty ones shaped like ``template``'s."""
-    if cache.get_seq_length() > 0:
-        own: Any = cache.layers[layer]
-        return own.keys, own.values
-    ref: Any = template.layers[layer]
-    shape = (1, ref.keys.shape[1], 0, ref.keys.shape[-1])
-    empty = ref.keys.new_zeros(shape)
-    return empty, ref.values.new_zeros((*shape[:3], ref.values.shape[-1]))
 
 
 @dataclass

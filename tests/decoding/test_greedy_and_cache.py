@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_model
+from transformers import LlamaForCausalLM
 
 from specagent.decoding.cache import ModelRunner, early_exit_view
 from specagent.decoding.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
@@ -199,3 +201,47 @@ def test_bad_arguments_are_refused(target) -> None:
                 max_new_tokens=0,
             )
         )
+
+
+class _ScaledLogits(LlamaForCausalLM):
+    """A model whose logits are more than its output embedding (as with soft-capping)."""
+
+    def forward(self, input_ids=None, cache=None, **kwargs):  # type: ignore[no-untyped-def]
+        out = super().forward(input_ids=input_ids, cache=cache, **kwargs)
+        out.logits = 30.0 * torch.tanh(out.logits / 30.0) + 0.25
+        return out
+
+
+@pytest.mark.parametrize("model_class", [LlamaForCausalLM, _ScaledLogits])
+def test_forward_batch_equals_forward_with_kept_positions(model_class) -> None:
+    """Batched logits (projected only at the positions read) equal one-by-one forwards, for a
+    plain LM head and for a model whose logits the gathered projection cannot reproduce (the
+    runner notices on its first batch and uses the model's own logits from then on)."""
+    reference = make_model(320, seed=3)
+    model = model_class(reference.config).eval()
+    model.load_state_dict(reference.state_dict())
+    runner = ModelRunner(model)
+    rng = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 320, (n,), generator=rng).tolist() for n in (1, 9, 17, 4)]
+    feeds = [torch.randint(3, 320, (n,), generator=rng).tolist() for n in (5, 1, 3, 7)]
+    keeps = [None, 1, 2, None]
+    for _ in range(2):  # the first batch checks the gathered projection, the second uses it
+        alone_caches, batch_caches = [], []
+        for prompt in prompts:
+            caches = [runner.new_cache(), runner.new_cache()]
+            for cache in caches:
+                if len(prompt) > 1:
+                    runner.forward(prompt[:-1], cache, keep=1)
+            alone_caches.append(caches[0])
+            batch_caches.append(caches[1])
+        alone = [
+            runner.forward(feed, cache, keep)
+            for feed, cache, keep in zip(feeds, alone_caches, keeps, strict=True)
+        ]
+        batched = runner.forward_batch(list(zip(feeds, batch_caches, strict=True)), keeps)
+        for a, b, ca, cb in zip(alone, batched, alone_caches, batch_caches, strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            assert ca.get_seq_length() == cb.get_seq_length()
+            torch.testing.assert_close(ca.layers[0].keys, cb.layers[0].keys, atol=1e-5, rtol=1e-5)
+    assert runner._gather_checked is (model_class is LlamaForCausalLM)
