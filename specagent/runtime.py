@@ -65,7 +65,7 @@ from .models import (
 )
 from .policy import Policy, PolicySet, default_policy, load_policies
 from .policy.loader import format_validation_error
-from .policy.schema import SamplingConfig
+from .policy.schema import DrafterConfig, SamplingConfig
 from .results import GenerationResult, SpecStats, StreamChunk, Usage
 from .telemetry import CallSpan, Telemetry
 
@@ -309,6 +309,14 @@ def _as_generation_error(exc: Exception) -> SpecAgentError:
         error = GenerationError(f"decoding failed: {type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def _guesses(config: DrafterConfig) -> tuple[int, int] | None:
+    """N-gram lengths for a draft model's lookup guesses: single tokens repeat too often by
+    chance to be worth a wider draft forward, so n >= 2."""
+    if not config.lookup_guesses:
+        return None
+    return max(2, config.min_ngram), max(2, config.max_ngram)
 
 
 def _release_device_memory(exc: Exception) -> None:
@@ -803,10 +811,14 @@ class SpecRuntime:
         elif kind == "draft_model":
             assert self._draft_runner is not None  # checked when the policies were loaded
             runner = self._draft_runner
-            drafter = DraftModelDrafter(runner, self.prefix_cache, config.confidence_threshold)
+            drafter = DraftModelDrafter(
+                runner, self.prefix_cache, config.confidence_threshold, _guesses(config)
+            )
         else:
             runner = self._early_exit_runner(self._early_exit_layers(policy))
-            drafter = EarlyExitDrafter(runner, self.prefix_cache, config.confidence_threshold)
+            drafter = EarlyExitDrafter(
+                runner, self.prefix_cache, config.confidence_threshold, _guesses(config)
+            )
         if not config.adaptive:
             return drafter, FixedSchedule(k)
         return drafter, AdaptiveSchedule(max_k=k, costs=self._cost_model(runner))

@@ -62,7 +62,7 @@ class ModelRunner:
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = next(model.parameters()).device
         body = self._decoder_body()
-        body_params = _forward_params(type(body)) if body is not None else frozenset()
+        body_params = _forward_params(type(body)) if body is not None else frozenset()  # type: ignore[arg-type]
         self._base_cache_kw = "cache" if "cache" in body_params else "past_key_values"
         self._gather_checked: bool | None = None
         """Whether projecting gathered hidden states equals the model's own logits (checked

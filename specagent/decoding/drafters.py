@@ -38,6 +38,7 @@ __all__ = [
     "Proposal",
     "TokenConstraint",
     "draft_steps",
+    "lookup_continuation",
     "run_inline",
 ]
 
@@ -121,11 +122,17 @@ class DraftModelDrafter:
         runner: ModelRunner,
         prefixes: PrefixCache | None = None,
         confidence_threshold: float = 0.0,
+        guess_ngrams: tuple[int, int] | None = None,
     ) -> None:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
         """Stop drafting once the draft's own top probability falls below this: a token it is
         unsure of is likely rejected, and every token after it surely wasted."""
+        self.guess_ngrams = guess_ngrams
+        """``(shortest, longest)`` n-gram for lookup guesses (None: no guessing); see
+        ``propose_steps``."""
+        self.draft_forwards = 0
+        """Draft forwards run so far (a guessed run checked in one forward counts once)."""
         self.cache = runner.new_cache()
         self._cached: list[int] = []
         self._prefixes = prefixes
@@ -163,43 +170,69 @@ class DraftModelDrafter:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
-        for step in range(k):
-            logits = yield ForwardRequest(self.runner, feed, self.cache, keep=1)
+        while len(tokens) < k:
+            guess = self._guess(context + tokens, k - len(tokens) - 1)
+            before = len(self._cached)
+            fed = [*feed, *guess]
+            logits = yield ForwardRequest(self.runner, fed, self.cache, keep=len(guess) + 1)
             if logits is None:
                 raise RuntimeError("a draft forward request must be answered with its logits")
-            logits = logits[-1]
-            self._cached.extend(feed)
-            if constraint is not None:
-                mask = constraint.allowed().to(logits.device)
-                if not bool(mask.any()):
+            self.draft_forwards += 1
+            self._cached.extend(fed)
+            go_on = True
+            # Row j is the draft's distribution after feed + guess[:j]; walk while it agrees.
+            for j in range(len(guess) + 1):
+                row = logits[j]
+                if constraint is not None:
+                    mask = constraint.allowed().to(row.device)
+                    if not bool(mask.any()):
+                        go_on = False
+                        break
+                    row = row.masked_fill(~mask, float("-inf"))
+                    masks.append(mask)
+                if params.greedy:
+                    # q is only read by a relaxed rule; keep the logits, softmax when needed.
+                    token = int(row.argmax())
+                    rows.append(row)
+                    confident = self._confident(row, token)
+                else:
+                    probs = logits_to_probs(row, params)
+                    token = int(sample(probs, generator))
+                    rows.append(probs)
+                    confident = float(probs[token]) >= self.confidence_threshold
+                tokens.append(token)
+                if constraint is not None:
+                    constraint.consume([token])
+                    if constraint.is_stopped():
+                        go_on = False
+                if not confident or len(tokens) >= k:
+                    go_on = False
+                if not go_on or j == len(guess) or token != guess[j]:
+                    # The cache holds the fed tokens; only those up to this row stay valid.
+                    valid = before + len(feed) + j
+                    crop_to(self.cache, valid)
+                    del self._cached[valid:]
+                    feed = [token]
                     break
-                logits = logits.masked_fill(~mask, float("-inf"))
-                masks.append(mask)
-            if params.greedy:
-                # q is only read by a relaxed rule; keep the logits, softmax when needed.
-                token = int(logits.argmax())
-                rows.append(logits)
-                confident = self._confident(logits, token)
-            else:
-                probs = logits_to_probs(logits, params)
-                token = int(sample(probs, generator))
-                rows.append(probs)
-                confident = float(probs[token]) >= self.confidence_threshold
-            tokens.append(token)
-            if constraint is not None:
-                constraint.consume([token])
-                if constraint.is_stopped():
-                    break
-            if not confident:
+            if not go_on:
                 break
-            if step < k - 1:
-                feed = [token]
         if not tokens:
             return EMPTY
         stacked = torch.stack(rows)
         if params.greedy:
             return Proposal(tokens=tokens, logits=stacked, masks=masks or None)
         return Proposal(tokens=tokens, probs=stacked, masks=masks or None)
+
+    def _guess(self, context: list[int], limit: int) -> list[int]:
+        """Tokens the draft will likely produce next, by n-gram lookup in the context. Fed with
+        the draft's next token, they let one forward check a run the draft would otherwise
+        produce one forward per token: each row is taken only while the draft's own choice
+        equals the guess, so the proposal is exactly the draft's (same tokens, same q, same
+        random numbers), only cheaper when the text repeats what came before."""
+        if self.guess_ngrams is None or limit <= 0:
+            return []
+        shortest, longest = self.guess_ngrams
+        return lookup_continuation(context, limit, shortest, longest)
 
     def _confident(self, logits: torch.Tensor, token: int) -> bool:
         if self.confidence_threshold <= 0.0:
@@ -243,19 +276,28 @@ class PromptLookupDrafter:
     ) -> Proposal:
         if k <= 0:
             return EMPTY
-        length = len(context)
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            tail = context[length - n :]
-            # Search right to left, excluding the tail itself.
-            for start in range(length - n - 1, -1, -1):
-                if context[start : start + n] == tail:
-                    follow = context[start + n : start + n + k]
-                    if follow:
-                        return _admissible(list(follow), constraint)
-        return EMPTY
+        follow = lookup_continuation(context, k, self.min_ngram, self.max_ngram)
+        return _admissible(follow, constraint) if follow else EMPTY
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Lookup has no state to update."""
+
+
+def lookup_continuation(
+    context: Sequence[int], limit: int, min_ngram: int, max_ngram: int
+) -> list[int]:
+    """Up to ``limit`` tokens that followed the latest earlier occurrence of the context's last
+    n-gram (longest n first, ``max_ngram`` down to ``min_ngram``); empty when none occurs."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        tail = list(context[length - n :])
+        # Search right to left, excluding the tail itself.
+        for start in range(length - n - 1, -1, -1):
+            if list(context[start : start + n]) == tail:
+                follow = list(context[start + n : start + n + limit])
+                if follow:
+                    return follow
+    return []
 
 
 def draft_steps(

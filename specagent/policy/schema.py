@@ -44,6 +44,10 @@ class DrafterConfig(_Strict):
     confidence_threshold: float = Field(default=0.4, ge=0.0, le=1.0)
     """For draft models: stop a step's draft early when the draft's top probability falls below
     this (0 disables). Exactness does not depend on it; speed does."""
+    lookup_guesses: bool = True
+    """For draft models: guess the draft's next tokens by n-gram lookup in the context (n >= 2)
+    and check a guessed run in one draft forward instead of one forward per token. Proposals are
+    exactly the draft's own either way; text that repeats its context drafts faster."""
     early_exit_layers: int | None = Field(default=None, ge=1)
     """For ``early_exit``: decoder layers the drafter runs (default: three quarters of them)."""
     min_ngram: int = Field(default=1, ge=1, le=16)

@@ -245,3 +245,34 @@ def test_forward_batch_equals_forward_with_kept_positions(model_class) -> None:
             assert ca.get_seq_length() == cb.get_seq_length()
             torch.testing.assert_close(ca.layers[0].keys, cb.layers[0].keys, atol=1e-5, rtol=1e-5)
     assert runner._gather_checked is (model_class is LlamaForCausalLM)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.05])
+def test_lookup_guesses_give_the_drafts_own_proposals_in_fewer_forwards(
+    target, draft, temperature
+) -> None:
+    """Guessing the draft's next tokens by n-gram lookup changes how many draft forwards run,
+    never what is proposed: same tokens, same distributions, same random numbers (temperature
+    0.05 goes through sampling), along a context that repeats a phrase and then grows by each
+    proposal as if the target accepted it."""
+    params = SamplingParams(temperature)
+    runner = ModelRunner(draft)
+    plain = DraftModelDrafter(runner, confidence_threshold=0.0)
+    guessing = DraftModelDrafter(runner, confidence_threshold=0.0, guess_ngrams=(2, 3))
+    phrase = [11, 42, 57, 99, 23, 64, 8, 77]
+    context = [5, *phrase, 31, *phrase, 31, *phrase[:3]]
+    gen_a, gen_b = make_generator(7), make_generator(7)
+    proposed = 0
+    for _ in range(8):
+        a = plain.propose(list(context), 6, params, gen_a)
+        b = guessing.propose(list(context), 6, params, gen_b)
+        assert a.tokens == b.tokens
+        got_a = a.logits if a.logits is not None else a.probs
+        got_b = b.logits if b.logits is not None else b.probs
+        assert got_a is not None
+        assert got_b is not None
+        torch.testing.assert_close(got_a, got_b, atol=1e-4, rtol=1e-4)
+        proposed += len(a.tokens)
+        context += a.tokens
+    assert plain.draft_forwards == proposed
+    assert guessing.draft_forwards < 0.8 * plain.draft_forwards, (guessing.draft_forwards, proposed)

@@ -96,12 +96,15 @@ def test_marginals_enumeration_is_a_distribution(small_target) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [2, 4])
-def test_draft_model_sampling_matches_target(small_target, small_draft, k: int) -> None:
+@pytest.mark.parametrize(("k", "guesses"), [(2, None), (4, None), (4, (2, 3))])
+def test_draft_model_sampling_matches_target(small_target, small_draft, k, guesses) -> None:
+    """With ``guesses`` the draft checks n-gram lookup guesses (the prompt repeats, so they
+    fire) in one forward: the proposals must still be distributed exactly as the draft's."""
     params = SamplingParams(temperature=1.0)
     marginals = exact_marginals(small_target, params)
+    runner = ModelRunner(small_draft)
     counts = sample_counts(
-        small_target, lambda: DraftModelDrafter(ModelRunner(small_draft)), params, k
+        small_target, lambda: DraftModelDrafter(runner, guess_ngrams=guesses), params, k
     )
     pvalues = chi_square_pvalues(counts, marginals)
     assert min(pvalues) > 1e-3, pvalues
