@@ -108,7 +108,7 @@ def bench_policies(has_draft: bool) -> list[Policy]:
         drafters.append("draft_model")
     policies = []
     for kind in drafters:
-        drafter = DrafterConfig(kind=kind, num_speculative_tokens=6)
+        drafter = DrafterConfig(kind=kind, num_speculative_tokens=20)
         relaxed = TypicalAcceptance(rule="typical", epsilon=0.3, delta=0.09, max_divergence=0.1)
         policies.append(
             Policy(name=f"lossless-{kind}", description="bench", mode="lossless", drafter=drafter)

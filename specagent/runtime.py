@@ -456,7 +456,7 @@ class SpecRuntime:
         )
         self._early_exit_runners: dict[int, ModelRunner] = {}
         self._verify_costs: tuple[float, ...] | None = None
-        self._draft_costs: dict[int, float] = {}
+        self._draft_costs: dict[int, tuple[float, ...]] = {}
         self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
@@ -812,12 +812,20 @@ class SpecRuntime:
             assert self._draft_runner is not None  # checked when the policies were loaded
             runner = self._draft_runner
             drafter = DraftModelDrafter(
-                runner, self.prefix_cache, config.confidence_threshold, _guesses(config)
+                runner,
+                self.prefix_cache,
+                config.confidence_threshold,
+                _guesses(config),
+                self._cost_model(runner) if config.lookup_guesses else None,
             )
         else:
             runner = self._early_exit_runner(self._early_exit_layers(policy))
             drafter = EarlyExitDrafter(
-                runner, self.prefix_cache, config.confidence_threshold, _guesses(config)
+                runner,
+                self.prefix_cache,
+                config.confidence_threshold,
+                _guesses(config),
+                self._cost_model(runner) if config.lookup_guesses else None,
             )
         if not config.adaptive:
             return drafter, FixedSchedule(k)
@@ -825,15 +833,23 @@ class SpecRuntime:
 
     def _cost_model(self, draft: ModelRunner | None) -> CostModel:
         """Step costs, measured once per runtime: the target's verify curve up to the largest k
-        any policy uses, and one step of each draft runner (prompt lookup costs nothing)."""
+        any policy uses, and each draft runner's forward curve up to the same length (its lookup
+        guesses widen draft forwards); prompt lookup costs nothing."""
+        longest = max(p.drafter.num_speculative_tokens for p in self.policies) + 1
         if self._verify_costs is None:
-            longest = max(p.drafter.num_speculative_tokens for p in self.policies) + 1
             self._verify_costs = measure_costs(self._target_runner, None, longest).verify
         key = id(draft) if draft is not None else 0
         if key not in self._draft_costs:
-            step = measure_costs(self._target_runner, draft, 1).draft_step if draft else 0.0
-            self._draft_costs[key] = step
-        return CostModel(draft_step=self._draft_costs[key], verify=self._verify_costs)
+            drafts = (
+                measure_costs(self._target_runner, draft, 1, draft_tokens=longest).draft
+                if draft is not None
+                else ()
+            )
+            self._draft_costs[key] = drafts
+        drafts = self._draft_costs[key]
+        return CostModel(
+            draft_step=drafts[0] if drafts else 0.0, verify=self._verify_costs, draft=drafts
+        )
 
     def _early_exit_layers(self, policy: Policy) -> int:
         total = int(getattr(self.target.config, "num_hidden_layers", 0))

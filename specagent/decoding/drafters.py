@@ -29,6 +29,7 @@ from .cache import (
     prefill,
 )
 from .sampling import SamplingParams, logits_to_probs, sample
+from .schedule import CostModel
 
 __all__ = [
     "DraftModelDrafter",
@@ -123,6 +124,7 @@ class DraftModelDrafter:
         prefixes: PrefixCache | None = None,
         confidence_threshold: float = 0.0,
         guess_ngrams: tuple[int, int] | None = None,
+        costs: CostModel | None = None,
     ) -> None:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
@@ -131,6 +133,11 @@ class DraftModelDrafter:
         self.guess_ngrams = guess_ngrams
         """``(shortest, longest)`` n-gram for lookup guesses (None: no guessing); see
         ``propose_steps``."""
+        self.costs = costs
+        """Measured forward costs of this draft: a guess is cut to the length that pays
+        (without them, guesses run as long as the lookup found)."""
+        self._guess_hits = 0.0
+        self._guess_trials = 0.0
         self.draft_forwards = 0
         """Draft forwards run so far (a guessed run checked in one forward counts once)."""
         self.cache = runner.new_cache()
@@ -180,6 +187,7 @@ class DraftModelDrafter:
             self.draft_forwards += 1
             self._cached.extend(fed)
             go_on = True
+            agreed = missed = 0
             # Row j is the draft's distribution after feed + guess[:j]; walk while it agrees.
             for j in range(len(guess) + 1):
                 row = logits[j]
@@ -207,6 +215,9 @@ class DraftModelDrafter:
                         go_on = False
                 if not confident or len(tokens) >= k:
                     go_on = False
+                if j < len(guess):
+                    agreed += token == guess[j]
+                    missed = int(token != guess[j])
                 if not go_on or j == len(guess) or token != guess[j]:
                     # The cache holds the fed tokens; only those up to this row stay valid.
                     valid = before + len(feed) + j
@@ -214,6 +225,9 @@ class DraftModelDrafter:
                     del self._cached[valid:]
                     feed = [token]
                     break
+            if guess:
+                self._guess_hits = self._guess_hits * 0.9 + agreed
+                self._guess_trials = self._guess_trials * 0.9 + agreed + missed
             if not go_on:
                 break
         if not tokens:
@@ -232,7 +246,22 @@ class DraftModelDrafter:
         if self.guess_ngrams is None or limit <= 0:
             return []
         shortest, longest = self.guess_ngrams
-        return lookup_continuation(context, limit, shortest, longest)
+        guess = lookup_continuation(context, limit, shortest, longest)
+        if not guess or self.costs is None:
+            return guess
+        # Keep the length that makes the most draft tokens per unit of forward cost, with the
+        # guesses' hit rate so far (a decayed estimate, prior 0.5): a wider forward costs more,
+        # and on some hardware a lot more past a few rows.
+        hit = (self._guess_hits + 0.5) / (self._guess_trials + 1.0)
+        best, best_rate = 0, 1.0 / max(self.costs.draft_cost(1), 1e-9)
+        expected, chance = 1.0, 1.0
+        for n in range(1, len(guess) + 1):
+            chance *= hit
+            expected += chance
+            rate = expected / max(self.costs.draft_cost(n + 1), 1e-9)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return guess[:best]
 
     def _confident(self, logits: torch.Tensor, token: int) -> bool:
         if self.confidence_threshold <= 0.0:

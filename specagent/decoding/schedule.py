@@ -55,6 +55,18 @@ class CostModel:
         slope = (last - 1.0) / max(len(self.verify) - 1, 1) if len(self.verify) > 1 else 0.1
         return last + max(slope, 0.05) * (n - len(self.verify))
 
+    draft: tuple[float, ...] = ()
+    """``draft[n - 1]``: cost of one draft forward over n tokens (``draft[0] == draft_step``);
+    the draft checks lookup guesses in such wider forwards. Empty when not measured."""
+
+    def draft_cost(self, n: int) -> float:
+        """Cost of a draft forward over n tokens; past the measured curve, a pessimistic guess
+        (each extra token a quarter of a step)."""
+        if n <= len(self.draft):
+            return self.draft[n - 1]
+        last = self.draft[-1] if self.draft else self.draft_step
+        return last + 0.25 * self.draft_step * (n - max(len(self.draft), 1))
+
     def step_cost(self, k: int) -> float:
         return k * self.draft_step + self.verify_cost(k + 1)
 
@@ -91,10 +103,14 @@ class AdaptiveSchedule(Schedule):
 
     max_k: int
     costs: CostModel = field(default_factory=CostModel)
-    prior_acceptance: float = 0.6
-    prior_weight: float = 2.0
-    decay: float = 0.9
-    """Weight kept by old observations per step: acceptance drifts within a call (code vs prose)."""
+    prior_acceptance: float = 0.8
+    prior_weight: float = 0.5
+    """A light prior: two or three fully accepted steps should be enough to reach the long
+    drafts that deterministic text (code, JSON) pays for; drafters with a confidence stop cut
+    a long draft short where they are unsure, so erring long is cheap."""
+    decay: float = 0.95
+    """Weight kept by old observations per step: acceptance drifts within a call (code vs prose),
+    but a slow decay lets the estimate reach the 0.97+ that long drafts need."""
     probe_every: int = 8
     _hits: float = field(init=False, default=0.0)
     _trials: float = field(init=False, default=0.0)
@@ -130,7 +146,7 @@ class AdaptiveSchedule(Schedule):
         self._trials = self._trials * self.decay + accepted + (1 if accepted < proposed else 0)
 
 
-MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
+MEASURED_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 """Forward lengths ``measure_costs`` times; the ones between are interpolated."""
 
 
@@ -141,9 +157,11 @@ def measure_costs(
     *,
     context_tokens: int = 32,
     repeats: int = 2,
+    draft_tokens: int = 1,
 ) -> CostModel:
-    """Measure the cost curve once: target forwards over 1..max_tokens new tokens, and one draft
-    step, relative to a single-token target forward (best of ``repeats`` after a warm-up).
+    """Measure the cost curve once: target forwards over 1..max_tokens new tokens, and draft
+    forwards over 1..draft_tokens, relative to a single-token target forward (best of
+    ``repeats`` after a warm-up).
 
     Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
     best k on a GPU. The curve is kept as measured, even where it falls: matrix libraries switch
@@ -166,28 +184,36 @@ def measure_costs(
             crop_to(cache, context_tokens)
         return best
 
+    def curve(runner: ModelRunner, longest: int, unit: float) -> list[float]:
+        lengths = sorted({n for n in MEASURED_LENGTHS if n < longest} | {longest})
+        measured = {n: best_time(runner, n) / unit for n in lengths}
+        return interpolate_costs(measured, longest)
+
     unit = best_time(target, 1)
-    lengths = sorted({n for n in MEASURED_LENGTHS if 1 < n < max_tokens} | {max_tokens} - {1})
-    measured = {1: 1.0, **{n: best_time(target, n) / unit for n in lengths}}
-    verify = interpolate_costs(measured, max_tokens)
-    draft_step = best_time(draft, 1) / unit if draft is not None else 0.0
-    return CostModel(draft_step=round(draft_step, 2), verify=tuple(round(v, 2) for v in verify))
+    verify = [1.0, *curve(target, max_tokens, unit)[1:]] if max_tokens > 1 else [1.0]
+    drafts = curve(draft, max(draft_tokens, 1), unit) if draft is not None else [0.0]
+    return CostModel(
+        draft_step=round(drafts[0], 2),
+        verify=tuple(round(v, 2) for v in verify),
+        draft=tuple(round(v, 2) for v in drafts) if draft is not None else (),
+    )
 
 
 def interpolate_costs(measured: dict[int, float], max_tokens: int) -> list[float]:
     """Costs for 1..max_tokens tokens from costs measured at some lengths (1 among them):
     linear between neighbours; no forward is taken to cost less than a single-token one."""
     known = sorted(measured)
+    floor = measured[1]
     out = []
     for n in range(1, max_tokens + 1):
         if n in measured:
-            out.append(max(1.0, measured[n]))
+            out.append(max(floor, measured[n]))
             continue
         lower = max(m for m in known if m < n)
         upper = min((m for m in known if m > n), default=None)
         if upper is None:
-            out.append(max(1.0, measured[lower]))
+            out.append(max(floor, measured[lower]))
             continue
         w = (n - lower) / (upper - lower)
-        out.append(max(1.0, (1 - w) * measured[lower] + w * measured[upper]))
+        out.append(max(floor, (1 - w) * measured[lower] + w * measured[upper]))
     return out
