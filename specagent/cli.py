@@ -49,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--draft")
     bench.add_argument("--pair", choices=["qwen2.5-coder"])
     bench.add_argument("--max-new-tokens", type=int, default=48)
+    bench.add_argument(
+        "--repeats", type=int, default=1, help="rounds, methods interleaved; median reported"
+    )
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     bench.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
 
@@ -183,6 +186,7 @@ def _bench(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         target_name=Path(target).name,
         draft_name=Path(draft).name if draft else None,
+        repeats=args.repeats,
     )
     stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
     json_path, png_path = save(result, args.out, stem)

@@ -94,7 +94,7 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
         "code": [{"role": "user", "content": "def f(x):"}],
         "prose": [{"role": "user", "content": "Hello world"}],
     }
-    result = run_bench(runtime, max_new_tokens=12, prompts=prompts, log=lambda _: None)
+    result = run_bench(runtime, max_new_tokens=12, prompts=prompts, log=lambda _: None, repeats=2)
     runtime.close()
     rows = result.results["code"]
     assert {
@@ -107,6 +107,9 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
     for name, row in rows.items():
         if name.startswith("specagent_lossless") or name.startswith("hf_"):
             assert row.equal_to_plain, name  # lossless greedy equals plain greedy
+        assert row.tokens_per_s_rounds is not None
+        assert len(row.tokens_per_s_rounds) == 2
+        assert row.tokens_per_s in row.tokens_per_s_rounds  # the median of two: the faster
     summary = result.summary["speedup_vs_plain"]["plain"]
     assert summary["geomean"] == 1.0
     json_path, png_path = save(result, tmp_path, "tiny")
