@@ -184,14 +184,14 @@ def measure_costs(
             crop_to(cache, context_tokens)
         return best
 
-    def curve(runner: ModelRunner, longest: int, unit: float) -> list[float]:
-        lengths = sorted({n for n in MEASURED_LENGTHS if n < longest} | {longest})
-        measured = {n: best_time(runner, n) / unit for n in lengths}
-        return interpolate_costs(measured, longest)
+    def curve(runner: ModelRunner, longest: int, known: dict[int, float]) -> list[float]:
+        lengths = {n for n in MEASURED_LENGTHS if n < longest} | {longest}
+        measured = {n: best_time(runner, n) / unit for n in sorted(lengths - set(known))}
+        return interpolate_costs({**known, **measured}, longest)
 
     unit = best_time(target, 1)
-    verify = [1.0, *curve(target, max_tokens, unit)[1:]] if max_tokens > 1 else [1.0]
-    drafts = curve(draft, max(draft_tokens, 1), unit) if draft is not None else [0.0]
+    verify = curve(target, max(max_tokens, 1), {1: 1.0})
+    drafts = curve(draft, max(draft_tokens, 1), {}) if draft is not None else [0.0]
     return CostModel(
         draft_step=round(drafts[0], 2),
         verify=tuple(round(v, 2) for v in verify),
