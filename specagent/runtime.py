@@ -808,19 +808,15 @@ class SpecRuntime:
             return None, FixedSchedule(0)
         if kind == "prompt_lookup":
             drafter = PromptLookupDrafter(max_ngram=config.max_ngram, min_ngram=config.min_ngram)
-        elif kind == "draft_model":
-            assert self._draft_runner is not None  # checked when the policies were loaded
-            runner = self._draft_runner
-            drafter = DraftModelDrafter(
-                runner,
-                self.prefix_cache,
-                config.confidence_threshold,
-                _guesses(config),
-                self._cost_model(runner) if config.lookup_guesses else None,
-            )
         else:
-            runner = self._early_exit_runner(self._early_exit_layers(policy))
-            drafter = EarlyExitDrafter(
+            if kind == "draft_model":
+                assert self._draft_runner is not None  # checked when the policies were loaded
+                runner = self._draft_runner
+                model_drafter: type[DraftModelDrafter] = DraftModelDrafter
+            else:
+                runner = self._early_exit_runner(self._early_exit_layers(policy))
+                model_drafter = EarlyExitDrafter
+            drafter = model_drafter(
                 runner,
                 self.prefix_cache,
                 config.confidence_threshold,

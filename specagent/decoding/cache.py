@@ -127,10 +127,13 @@ class ModelRunner:
             for layer in range(len(template.layers)):
                 ref: Any = template.layers[layer]
                 # Left-padded with zeros (masked out; garbage could be NaN and spread).
-                keys = ref.keys.new_zeros((size, *ref.keys.shape[1:2], longest, ref.keys.shape[3]))
-                values = ref.values.new_zeros(
-                    (size, *ref.values.shape[1:2], longest, ref.values.shape[3])
+                heads, key_dim, value_dim = (
+                    ref.keys.shape[1],
+                    ref.keys.shape[3],
+                    ref.values.shape[3],
                 )
+                keys = ref.keys.new_zeros((size, heads, longest, key_dim))
+                values = ref.values.new_zeros((size, heads, longest, value_dim))
                 for i, ((_, cache), length) in enumerate(zip(requests, lengths, strict=True)):
                     if length:
                         own: Any = cache.layers[layer]
