@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -264,7 +264,7 @@ def _summarise(results: dict[str, dict[str, MethodResult]]) -> dict[str, Any]:
                 ratios_assisted.append(rows[method].tokens_per_s / rows["hf_assisted"].tokens_per_s)
         summary["speedup_vs_plain"][method] = {
             "per_prompt": dict(zip(results, (round(r, 3) for r in ratios_plain), strict=True)),
-            "geomean": round(_geomean(ratios_plain), 3),
+            "geomean": round(geomean(ratios_plain), 3),
             "min": round(min(ratios_plain), 3),
         }
         if ratios_assisted:
@@ -272,13 +272,15 @@ def _summarise(results: dict[str, dict[str, MethodResult]]) -> dict[str, Any]:
                 "per_prompt": dict(
                     zip(results, (round(r, 3) for r in ratios_assisted), strict=True)
                 ),
-                "geomean": round(_geomean(ratios_assisted), 3),
+                "geomean": round(geomean(ratios_assisted), 3),
             }
     return summary
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else 0.0
+def geomean(values: Iterable[float]) -> float:
+    """Geometric mean of ratios (0.0 for none; a zero ratio counts as 1e-9, not as log 0)."""
+    items = [max(v, 1e-9) for v in values]
+    return math.exp(sum(math.log(v) for v in items) / len(items)) if items else 0.0
 
 
 def write_chart(result: BenchResult, path: Path) -> None:

@@ -22,7 +22,6 @@ changed nothing scores at the floor; ``relative_similarity`` is score / floor.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .bench import geomean
 from .decoding.schedule import CostModel
 from .errors import EvaluationError
 from .policy import Policy
@@ -251,8 +251,8 @@ class SettingReport:
             "min_relative_similarity": min(r.relative_similarity for r in rows),
             "rouge_l": _mean(r.rouge_l for r in rows),
             "rouge_l_floor": _mean(r.rouge_l_floor for r in rows),
-            "speed_ratio": _geomean(r.speed_ratio for r in rows),
-            "modelled_speed_ratio": _geomean(r.modelled_speed_ratio for r in rows),
+            "speed_ratio": geomean(r.speed_ratio for r in rows),
+            "modelled_speed_ratio": geomean(r.modelled_speed_ratio for r in rows),
             "acceptance_rate": _mean(r.acceptance_rate for r in rows),
             "twin_acceptance_rate": _mean(r.twin_acceptance_rate for r in rows),
             "mean_acceptance_length": _mean(r.mean_acceptance_length for r in rows),
@@ -524,11 +524,6 @@ def _acceptance_length(runs: list[_Run]) -> float:
 def _mean(values: Any) -> float:
     items = list(values)
     return sum(items) / len(items) if items else 0.0
-
-
-def _geomean(values: Any) -> float:
-    items = [max(v, 1e-9) for v in values]
-    return math.exp(sum(math.log(v) for v in items) / len(items)) if items else 0.0
 
 
 def _name_of(model: Any) -> str | None:
