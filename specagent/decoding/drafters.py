@@ -319,13 +319,13 @@ def lookup_continuation(
     n-gram (longest n first, ``max_ngram`` down to ``min_ngram``); empty when none occurs."""
     length = len(context)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        tail = list(context[length - n :])
+        tail = context[length - n :]
         # Search right to left, excluding the tail itself.
         for start in range(length - n - 1, -1, -1):
-            if list(context[start : start + n]) == tail:
-                follow = list(context[start + n : start + n + limit])
+            if context[start : start + n] == tail:
+                follow = context[start + n : start + n + limit]
                 if follow:
-                    return follow
+                    return list(follow)
     return []
 
 
