@@ -61,7 +61,8 @@ class ModelRunner:
         self.vocab_size = vocab_size or own_vocab
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = next(model.parameters()).device
-        body = self._decoder_body()
+        self._body = self._decoder_body()
+        body = self._body
         body_params = _forward_params(type(body)) if body is not None else frozenset()  # type: ignore[arg-type]
         self._base_cache_kw = "cache" if "cache" in body_params else "past_key_values"
         self._gather_checked: bool | None = None
@@ -188,7 +189,7 @@ class ModelRunner:
         whose head is more than the output embedding (logit soft-capping, scaling) would give
         other numbers, so the first batch also runs the full model and compares; on any
         difference this runner keeps using the full model's logits."""
-        base = self._decoder_body()
+        base = self._body
         if base is None or self._gather_checked is False:
             out = self.model(**inputs, **{self._cache_kw: batch_cache})
             return [out.logits[row, start:stop] for row, start, stop in wanted]
