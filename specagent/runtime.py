@@ -821,11 +821,18 @@ class SpecRuntime:
                 self.prefix_cache,
                 config.confidence_threshold,
                 _guesses(config),
-                self._cost_model(runner) if config.lookup_guesses else None,
+                self._cost_model(runner) if config.adaptive else None,
             )
         if not config.adaptive:
             return drafter, FixedSchedule(k)
-        return drafter, AdaptiveSchedule(max_k=k, costs=self._cost_model(runner))
+        if runner is None:
+            return drafter, AdaptiveSchedule(max_k=k, costs=self._cost_model(None))
+        # A model drafter with costs ends each draft where it stops paying; the schedule only
+        # decides between plain decoding and drafting, and a heavier prior keeps one early
+        # rejection from switching drafting off for the next probe_every steps.
+        return drafter, AdaptiveSchedule(
+            max_k=k, costs=self._cost_model(runner), drafter_stops=True, prior_weight=2.0
+        )
 
     def _cost_model(self, draft: ModelRunner | None) -> CostModel:
         """Step costs, measured once per runtime: the target's verify curve up to the largest k

@@ -134,8 +134,19 @@ class DraftModelDrafter:
         """``(shortest, longest)`` n-gram for lookup guesses (None: no guessing); see
         ``propose_steps``."""
         self.costs = costs
-        """Measured forward costs of this draft: a guess is cut to the length that pays
-        (without them, guesses run as long as the lookup found)."""
+        """Measured step costs (draft forwards and target verifications). With them, a guess is
+        cut to the length that pays, and a draft ends where one more token costs more than it
+        is expected to bring (``_worth_more``); without them, drafts run to k and guesses as
+        long as the lookup found."""
+        self._tested_confidence = 2.0
+        self._tested_hits = 2.0
+        """Decayed sums over the draft tokens the target has judged: the draft's confidence in
+        each, and how many it accepted (a neutral prior of two tokens). Their ratio calibrates
+        the draft's confidence to the target's acceptance."""
+        self._call_hits = 0.4
+        self._call_trials = 0.5
+        """Decayed per-token acceptance of this call (prior 0.8), as ``AdaptiveSchedule``'s."""
+        self._last_confidences: list[float] = []
         self._guess_hits = 0.0
         self._guess_trials = 0.0
         self.draft_forwards = 0
@@ -177,8 +188,15 @@ class DraftModelDrafter:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
-        while len(tokens) < k:
-            guess = self._guess(context + tokens, k - len(tokens) - 1)
+        confidences: list[float] = []
+        self._last_confidences = confidences
+        expected, all_accepted = 1.0, 1.0  # tokens this step is expected to emit; P(all pass)
+        calibration = self._tested_hits / self._tested_confidence
+        # The schedule has decided to draft: at least one token, however the plan looks.
+        planned = max(1, self._planned_length(0, k, expected, all_accepted))
+        while len(tokens) < planned:
+            # Guesses beyond the planned length would be checked and then thrown away.
+            guess = self._guess(context + tokens, planned - len(tokens) - 1)
             before = len(self._cached)
             fed = [*feed, *guess]
             logits = yield ForwardRequest(self.runner, fed, self.cache, keep=len(guess) + 1)
@@ -202,18 +220,22 @@ class DraftModelDrafter:
                     # q is only read by a relaxed rule; keep the logits, softmax when needed.
                     token = int(row.argmax())
                     rows.append(row)
-                    confident = self._confident(row, token)
+                    confidence = _probability(row, token)
                 else:
                     probs = logits_to_probs(row, params)
                     token = int(sample(probs, generator))
                     rows.append(probs)
-                    confident = float(probs[token]) >= self.confidence_threshold
+                    confidence = float(probs[token])
                 tokens.append(token)
+                confidences.append(confidence)
+                all_accepted *= min(confidence * calibration, 0.999)
+                expected += all_accepted
                 if constraint is not None:
                     constraint.consume([token])
                     if constraint.is_stopped():
                         go_on = False
-                if not confident or len(tokens) >= k:
+                planned = self._planned_length(len(tokens), k, expected, all_accepted)
+                if confidence < self.confidence_threshold or planned <= len(tokens):
                     go_on = False
                 if j < len(guess):
                     agreed += token == guess[j]
@@ -263,15 +285,41 @@ class DraftModelDrafter:
                 best, best_rate = n, rate
         return guess[:best]
 
-    def _confident(self, logits: torch.Tensor, token: int) -> bool:
-        if self.confidence_threshold <= 0.0:
-            return True
-        # p(token) = 1 / sum(exp(logits - logits[token])) without building the distribution.
-        top = float(torch.exp(logits - logits[token]).sum())
-        return 1.0 / top >= self.confidence_threshold
+    def _planned_length(self, drafted: int, k: int, expected: float, all_accepted: float) -> int:
+        """How many tokens this step's draft should reach, given ``drafted`` so far: the length
+        (up to k) with the most expected tokens per unit of cost (drafting plus verifying, from
+        the measured curves); ``drafted`` itself when no longer draft pays.
+
+        The tokens drafted so far are expected to bring ``expected`` (the bonus token included),
+        all of them accepted with probability ``all_accepted`` (the draft's own confidences,
+        calibrated by what the target accepted so far). Further tokens are priced at the call's
+        acceptance rate. Looking ahead up to k, not one token: the verify curve is not monotone
+        (on a 2-core CPU, 16 rows cost less than 10), so one more token can be a loss while six
+        more are a gain. Without costs, the plan is k."""
+        if self.costs is None or drafted >= k:
+            return max(k, drafted)
+        costs = self.costs
+        best = drafted
+        best_rate = expected / (drafted * costs.draft_step + costs.verify_cost(drafted + 1))
+        future = min(self._call_hits / self._call_trials, 0.999)
+        gain, chance = 0.0, all_accepted
+        for length in range(drafted + 1, k + 1):
+            chance *= future
+            gain += chance
+            cost = length * costs.draft_step + costs.verify_cost(length + 1)
+            if (expected + gain) / cost > best_rate:
+                best, best_rate = length, (expected + gain) / cost
+        return best
 
     def observe(self, proposed: int, accepted: int) -> None:
-        """Nothing to learn: the next ``propose`` crops the cache to the accepted context."""
+        """Calibrate: the target judged the draft tokens up to the first rejected one."""
+        if proposed <= 0:
+            return
+        judged = self._last_confidences[: min(accepted + 1, proposed)]
+        self._tested_confidence = self._tested_confidence * 0.9 + sum(judged)
+        self._tested_hits = self._tested_hits * 0.9 + accepted
+        self._call_hits = self._call_hits * 0.95 + accepted
+        self._call_trials = self._call_trials * 0.95 + accepted + (1 if accepted < proposed else 0)
 
 
 class EarlyExitDrafter(DraftModelDrafter):
@@ -327,6 +375,11 @@ def lookup_continuation(
                 if follow:
                     return list(follow)
     return []
+
+
+def _probability(logits: torch.Tensor, token: int) -> float:
+    """p(token) = 1 / sum(exp(logits - logits[token])), without building the distribution."""
+    return 1.0 / float(torch.exp(logits - logits[token]).sum())
 
 
 def draft_steps(

@@ -112,6 +112,11 @@ class AdaptiveSchedule(Schedule):
     """Weight kept by old observations per step: acceptance drifts within a call (code vs prose),
     but a slow decay lets the estimate reach the 0.97+ that long drafts need."""
     probe_every: int = 8
+    drafter_stops: bool = False
+    """The drafter ends each draft by cost itself (``DraftModelDrafter`` with costs): whenever
+    drafting pays, allow up to ``max_k`` and let the drafter stop where its own confidence says
+    further tokens no longer pay. The schedule then only chooses between drafting and plain
+    decoding."""
     _hits: float = field(init=False, default=0.0)
     _trials: float = field(init=False, default=0.0)
     _plain_steps: int = field(init=False, default=0)
@@ -132,6 +137,8 @@ class AdaptiveSchedule(Schedule):
 
     def next_k(self, limit: int) -> int:
         k = self.best_k()
+        if k > 0 and self.drafter_stops:
+            k = self.max_k
         if k == 0:
             self._plain_steps += 1
             if self._plain_steps >= self.probe_every:

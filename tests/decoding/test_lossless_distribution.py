@@ -17,7 +17,7 @@ from specagent.decoding.cache import ModelRunner
 from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
-from specagent.decoding.schedule import FixedSchedule
+from specagent.decoding.schedule import CostModel, FixedSchedule
 
 VOCAB = 12
 PROMPT = [3, 7, 3, 7, 3]
@@ -95,16 +95,28 @@ def test_marginals_enumeration_is_a_distribution(small_target) -> None:
     assert np.allclose(marginals.sum(axis=1), 1.0)
 
 
+# Verifying 2 rows costs as much as 1 and a draft token little: drafts of every length occur.
+PLANNING_COSTS = CostModel(draft_step=0.1, verify=(1.0, 1.0, 1.6, 1.7))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("k", "guesses"), [(2, None), (4, None), (4, (2, 3))])
-def test_draft_model_sampling_matches_target(small_target, small_draft, k, guesses) -> None:
+@pytest.mark.parametrize(
+    ("k", "guesses", "costs"),
+    [(2, None, None), (4, None, None), (4, (2, 3), None), (4, (2, 3), PLANNING_COSTS)],
+)
+def test_draft_model_sampling_matches_target(small_target, small_draft, k, guesses, costs) -> None:
     """With ``guesses`` the draft checks n-gram lookup guesses (the prompt repeats, so they
-    fire) in one forward: the proposals must still be distributed exactly as the draft's."""
+    fire) in one forward: the proposals must still be distributed exactly as the draft's. With
+    ``costs`` each draft ends where the draft's own sampled confidences say more tokens no
+    longer pay: a length chosen from the draft's own samples keeps the output exact."""
     params = SamplingParams(temperature=1.0)
     marginals = exact_marginals(small_target, params)
     runner = ModelRunner(small_draft)
     counts = sample_counts(
-        small_target, lambda: DraftModelDrafter(runner, guess_ngrams=guesses), params, k
+        small_target,
+        lambda: DraftModelDrafter(runner, guess_ngrams=guesses, costs=costs),
+        params,
+        k,
     )
     pvalues = chi_square_pvalues(counts, marginals)
     assert min(pvalues) > 1e-3, pvalues

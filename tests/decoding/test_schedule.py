@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specagent.decoding.cache import ModelRunner
 from specagent.decoding.drafters import DraftModelDrafter
+from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.schedule import AdaptiveSchedule, CostModel, interpolate_costs
 
 # Shaped like a 2-core CPU with MKL: 1-3 rows nearly free, a jump at 4, 16 rows cheaper than 12.
@@ -69,3 +71,51 @@ def test_guesses_are_cut_to_what_the_draft_cost_curve_pays_for(target, draft) ->
     assert DraftModelDrafter(runner, guess_ngrams=(2, 3), costs=cheap)._guess(context, 6)
     assert DraftModelDrafter(runner, guess_ngrams=(2, 3), costs=dear)._guess(context, 6) == []
     assert DraftModelDrafter(runner, guess_ngrams=None, costs=cheap)._guess(context, 6) == []
+
+
+def test_drafter_plans_long_drafts_when_confident_and_short_when_not(draft) -> None:
+    """The plan looks past the cliff at 4 rows: with every token likely accepted, one more
+    token after 3 is a loss on this curve but 16 more are a gain."""
+    drafter = DraftModelDrafter(ModelRunner(draft), costs=CPU_LIKE)
+    drafter._call_hits, drafter._call_trials = 9.9, 10.0  # a call that accepted nearly all
+    sure = 1.0 + 0.99 + 0.99**2 + 0.99**3
+    assert drafter._planned_length(3, 20, sure, 0.99**3) >= 15
+    unsure = 1.0 + 0.5 + 0.25 + 0.125
+    assert drafter._planned_length(3, 20, unsure, 0.125) == 3
+    assert drafter._planned_length(0, 20, 1.0, 1.0) >= 15
+    drafter._call_hits, drafter._call_trials = 3.0, 10.0  # a call the target mostly rejects
+    assert drafter._planned_length(0, 20, 1.0, 1.0) <= 2
+    assert DraftModelDrafter(ModelRunner(draft))._planned_length(3, 20, unsure, 0.125) == 20
+
+
+def test_drafter_calibrates_its_confidence_by_what_the_target_accepted(draft) -> None:
+    drafter = DraftModelDrafter(ModelRunner(draft), costs=CPU_LIKE)
+    drafter._last_confidences = [0.99, 0.99, 0.99, 0.99]
+    drafter.observe(4, 0)  # confident and rejected at once
+    assert drafter._tested_hits / drafter._tested_confidence < 0.7
+    drafter._last_confidences = [0.6, 0.6, 0.6]
+    for _ in range(10):
+        drafter.observe(3, 3)  # unsure and always right
+    assert drafter._tested_hits / drafter._tested_confidence > 1.3
+
+
+def test_cost_planned_drafts_are_prefixes_of_the_full_draft(target, draft) -> None:
+    """The plan only decides where a draft ends: greedy proposals are the draft's own tokens."""
+    runner = ModelRunner(draft)
+    context = [5, 11, 42, 57, 99, 23, 64, 8, 77, 31]
+    params, generator = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+    full = DraftModelDrafter(runner).propose(context, 8, params, generator).tokens
+    planned = DraftModelDrafter(runner, costs=CPU_LIKE).propose(context, 8, params, generator)
+    assert 1 <= len(planned.tokens) <= 8
+    assert planned.tokens == full[: len(planned.tokens)]
+
+
+def test_schedule_leaves_the_draft_length_to_a_stopping_drafter() -> None:
+    schedule = AdaptiveSchedule(max_k=20, costs=CPU_LIKE, drafter_stops=True, prior_weight=2.0)
+    assert schedule.next_k(100) == 20
+    assert schedule.next_k(7) == 7  # never past the room left
+    schedule.observe(1, 0)
+    assert schedule.next_k(100) == 20  # one early rejection does not switch drafting off
+    for _ in range(10):
+        schedule.observe(1, 0)
+    assert schedule.next_k(100) == 0
