@@ -12,6 +12,12 @@ with ``a`` the per-token acceptance estimated from the call so far (a decayed Be
 and costs relative to one single-token target forward (``CostModel``). k = 0 is plain decoding;
 while it is chosen, a probe step every few steps keeps the estimate from freezing.
 
+With a draft model that plans its own length (``drafter_stops``), the schedule only chooses
+between drafting (up to ``max_k``) and plain decoding; the drafter ends each draft where its own
+confidence, calibrated by what the target accepted, says further tokens no longer pay
+(``DraftModelDrafter._planned_length``): it knows, token by token, what the schedule can only
+average.
+
 The schedule is a deterministic function of what it observed, so a seeded call is reproducible for
 a given cost model.
 """
