@@ -102,7 +102,8 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
         "hf_prompt_lookup",
         "hf_assisted",
         "specagent_lossless-draft_model",
-        "specagent_relaxed-prompt_lookup",
+        "specagent_sampled-lossless-prompt_lookup",
+        "specagent_sampled-relaxed-draft_model",
     } <= set(rows)
     for name, row in rows.items():
         if name.startswith("specagent_lossless") or name.startswith("hf_"):
@@ -110,8 +111,15 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
         assert row.tokens_per_s_rounds is not None
         assert len(row.tokens_per_s_rounds) == 2
         assert row.tokens_per_s in row.tokens_per_s_rounds  # the median of two: the faster
+    assert rows["specagent_sampled-lossless-draft_model"].equal_to_plain is None  # sampled
     summary = result.summary["speedup_vs_plain"]["plain"]
     assert summary["geomean"] == 1.0
+    relaxed = result.summary["relaxed_vs_lossless"]
+    assert set(relaxed) == {
+        "specagent_sampled-relaxed-prompt_lookup",
+        "specagent_sampled-relaxed-draft_model",
+    }
+    assert set(relaxed["specagent_sampled-relaxed-draft_model"]["per_prompt"]) == {"code", "prose"}
     json_path, png_path = save(result, tmp_path, "tiny")
     assert json.loads(json_path.read_text())["results"]["prose"]["plain"]["tokens"] >= 0
     assert png_path.stat().st_size > 1000
