@@ -821,7 +821,8 @@ class SpecRuntime:
                 self.prefix_cache,
                 config.confidence_threshold,
                 _guesses(config),
-                self._cost_model(runner) if config.adaptive else None,
+                self._cost_model(runner) if config.adaptive or config.lookup_guesses else None,
+                plan_lengths=config.adaptive,
             )
         if not config.adaptive:
             return drafter, FixedSchedule(k)

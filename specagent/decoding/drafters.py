@@ -125,6 +125,7 @@ class DraftModelDrafter:
         confidence_threshold: float = 0.0,
         guess_ngrams: tuple[int, int] | None = None,
         costs: CostModel | None = None,
+        plan_lengths: bool = True,
     ) -> None:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
@@ -135,9 +136,11 @@ class DraftModelDrafter:
         ``propose_steps``."""
         self.costs = costs
         """Measured step costs (draft forwards and target verifications). With them, a guess is
-        cut to the length that pays, and a draft ends where one more token costs more than it
-        is expected to bring (``_worth_more``); without them, drafts run to k and guesses as
-        long as the lookup found."""
+        cut to the length that pays, and (with ``plan_lengths``) a draft ends where more tokens
+        are expected to cost more than they bring (``_planned_length``); without them, drafts
+        run to k and guesses as long as the lookup found."""
+        self.plan_lengths = plan_lengths
+        """False keeps every draft at k (a fixed schedule), short of the confidence stop."""
         self._tested_confidence = 2.0
         self._tested_hits = 2.0
         """Decayed sums over the draft tokens the target has judged: the draft's confidence in
@@ -288,15 +291,15 @@ class DraftModelDrafter:
     def _planned_length(self, drafted: int, k: int, expected: float, all_accepted: float) -> int:
         """How many tokens this step's draft should reach, given ``drafted`` so far: the length
         (up to k) with the most expected tokens per unit of cost (drafting plus verifying, from
-        the measured curves); ``drafted`` itself when no longer draft pays.
+        the measured curves); ``drafted`` itself when drafting further does not pay.
 
         The tokens drafted so far are expected to bring ``expected`` (the bonus token included),
         all of them accepted with probability ``all_accepted`` (the draft's own confidences,
         calibrated by what the target accepted so far). Further tokens are priced at the call's
         acceptance rate. Looking ahead up to k, not one token: the verify curve is not monotone
         (on a 2-core CPU, 16 rows cost less than 10), so one more token can be a loss while six
-        more are a gain. Without costs, the plan is k."""
-        if self.costs is None or drafted >= k:
+        more are a gain. Without costs (or ``plan_lengths``), the plan is k."""
+        if self.costs is None or not self.plan_lengths or drafted >= k:
             return max(k, drafted)
         costs = self.costs
         best = drafted

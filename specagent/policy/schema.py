@@ -40,7 +40,9 @@ class DrafterConfig(_Strict):
     """For ``draft_model``: the drafter to use on a runtime that has no draft model. Without it,
     such a runtime refuses the policy when it is loaded."""
     adaptive: bool = True
-    """Pick k per step from observed acceptance and measured step costs (k = 0: plain decoding)."""
+    """Pick k per step from observed acceptance and measured step costs (k = 0: plain decoding);
+    draft models also end each draft where their calibrated confidence says one more token no
+    longer pays."""
     confidence_threshold: float = Field(default=0.4, ge=0.0, le=1.0)
     """For draft models: stop a step's draft early when the draft's top probability falls below
     this (0 disables). Exactness does not depend on it; speed does."""

@@ -86,6 +86,8 @@ def test_drafter_plans_long_drafts_when_confident_and_short_when_not(draft) -> N
     drafter._call_hits, drafter._call_trials = 3.0, 10.0  # a call the target mostly rejects
     assert drafter._planned_length(0, 20, 1.0, 1.0) <= 2
     assert DraftModelDrafter(ModelRunner(draft))._planned_length(3, 20, unsure, 0.125) == 20
+    fixed = DraftModelDrafter(ModelRunner(draft), costs=CPU_LIKE, plan_lengths=False)
+    assert fixed._planned_length(3, 20, unsure, 0.125) == 20  # a fixed schedule's k stands
 
 
 def test_drafter_calibrates_its_confidence_by_what_the_target_accepted(draft) -> None:
