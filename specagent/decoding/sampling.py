@@ -43,15 +43,34 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if not params.greedy and params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Mass strictly before each token: a token is kept while that mass is below top_p,
-        # so the most likely token is always kept.
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = _top_p(probs, params.top_p)
     return probs
+
+
+_TOP_P_HEAD = 1024
+"""Tokens ``_top_p`` ranks first; almost always they hold the top_p mass, so the full sort of a
+150k vocabulary (the largest cost of sampling on a CPU) is rarely needed."""
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``, renormalised.
+
+    A token is kept while the mass strictly before it (in descending order) is below top_p, so
+    the most likely token always stays. When the ``_TOP_P_HEAD`` most likely tokens of every
+    row hold top_p between them, every other token has at least that much mass before it and is
+    dropped: ranking those few is then the same as sorting the whole vocabulary."""
+    head = min(_TOP_P_HEAD, probs.shape[-1])
+    values, order = torch.topk(probs, head, dim=-1)  # sorted, descending
+    if head == probs.shape[-1] or bool((values.sum(dim=-1) >= top_p).all()):
+        before = torch.cumsum(values, dim=-1) - values
+        kept = values.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, kept)
+    else:
+        ordered, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(ordered, dim=-1) - ordered
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

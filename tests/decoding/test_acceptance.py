@@ -176,3 +176,22 @@ def test_top_p_keeps_the_most_likely_token_and_renormalises() -> None:
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
     assert probs[0, 3] == 0
     assert probs[0, :3].min() > 0
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])
+def test_top_p_on_a_large_vocabulary_equals_the_full_sort(scale: float) -> None:
+    """Scale 8 concentrates the mass in a few tokens (the fast path ranks only the head); scale
+    0.05 spreads it so the head cannot hold top_p (the full sort runs). Same result either way."""
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(1)) * scale
+    top_p = 0.9
+    probs = torch.softmax(logits, dim=-1)
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    keep_sorted = (torch.cumsum(ordered, dim=-1) - ordered) < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    reference = probs * keep
+    reference = reference / reference.sum(dim=-1, keepdim=True)
+    got = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(got > 0, reference > 0)
+    assert torch.allclose(got, reference, atol=1e-6)
+    head_mass = torch.topk(probs, 1024, dim=-1).values.sum(dim=-1)
+    assert bool((head_mass >= top_p).all()) == (scale > 1.0)  # each path is exercised
