@@ -804,6 +804,7 @@ class SpecRuntime:
         k = config.num_speculative_tokens
         drafter: Drafter | None
         runner: ModelRunner | None = None
+        costs: CostModel | None = None
         if kind == "none":
             return None, FixedSchedule(0)
         if kind == "prompt_lookup":
@@ -816,12 +817,13 @@ class SpecRuntime:
             else:
                 runner = self._early_exit_runner(self._early_exit_layers(policy))
                 model_drafter = EarlyExitDrafter
+            costs = self._cost_model(runner) if config.adaptive or config.lookup_guesses else None
             drafter = model_drafter(
                 runner,
                 self.prefix_cache,
                 config.confidence_threshold,
                 _guesses(config),
-                self._cost_model(runner) if config.adaptive or config.lookup_guesses else None,
+                costs,
                 plan_lengths=config.adaptive,
             )
         if not config.adaptive:
@@ -831,9 +833,8 @@ class SpecRuntime:
         # A model drafter with costs ends each draft where it stops paying; the schedule only
         # decides between plain decoding and drafting, and a heavier prior keeps one early
         # rejection from switching drafting off for the next probe_every steps.
-        return drafter, AdaptiveSchedule(
-            max_k=k, costs=self._cost_model(runner), drafter_stops=True, prior_weight=2.0
-        )
+        assert costs is not None  # measured above for every adaptive model drafter
+        return drafter, AdaptiveSchedule(max_k=k, costs=costs, drafter_stops=True, prior_weight=2.0)
 
     def _cost_model(self, draft: ModelRunner | None) -> CostModel:
         """Step costs, measured once per runtime: the target's verify curve up to the largest k

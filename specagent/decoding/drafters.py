@@ -301,17 +301,15 @@ class DraftModelDrafter:
         more are a gain. Without costs (or ``plan_lengths``), the plan is k."""
         if self.costs is None or not self.plan_lengths or drafted >= k:
             return max(k, drafted)
-        costs = self.costs
-        best = drafted
-        best_rate = expected / (drafted * costs.draft_step + costs.verify_cost(drafted + 1))
+        best, best_rate = drafted, expected / self.costs.step_cost(drafted)
         future = min(self._call_hits / self._call_trials, 0.999)
         gain, chance = 0.0, all_accepted
         for length in range(drafted + 1, k + 1):
             chance *= future
             gain += chance
-            cost = length * costs.draft_step + costs.verify_cost(length + 1)
-            if (expected + gain) / cost > best_rate:
-                best, best_rate = length, (expected + gain) / cost
+            rate = (expected + gain) / self.costs.step_cost(length)
+            if rate > best_rate:
+                best, best_rate = length, rate
         return best
 
     def observe(self, proposed: int, accepted: int) -> None:
