@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from .machine import machine_info
 from .policy import Policy
 from .policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
 from .runtime import SpecRuntime
@@ -96,6 +98,12 @@ class BenchResult:
     device: str
     results: dict[str, dict[str, MethodResult]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=machine_info)
+    """CPU model and ISA flags, BLAS, threads, library versions: what the numbers hold for."""
+    precision: dict[str, Any] = field(default_factory=dict)
+    """Each model's dtype (shared by every method) and why it was chosen."""
+    peak_rss_mb: float | None = None
+    """Peak resident memory of the process (models, caches and every method) at the end."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +111,9 @@ class BenchResult:
             "draft": self.draft,
             "max_new_tokens": self.max_new_tokens,
             "device": self.device,
+            "machine": self.machine,
+            "precision": self.precision,
+            "peak_rss_mb": self.peak_rss_mb,
             "summary": self.summary,
             "results": {
                 p: {m: vars(r) for m, r in rows.items()} for p, rows in self.results.items()
@@ -158,20 +169,29 @@ def run_bench(
     draft_name: str | None = None,
     log: Callable[[str], None] = print,
     repeats: int = 1,
+    methods: Iterable[str] | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (the runtime's policies must be ``bench_policies``).
 
     With ``repeats`` > 1 the whole set runs that many rounds, methods interleaved within each
     round, and each cell reports its median round: a slow spell of a shared machine then hits
-    every method alike instead of deciding one comparison."""
+    every method alike instead of deciding one comparison. ``methods`` keeps only the methods
+    named (plain always runs: it is the reference). Every method runs on the runtime's own
+    model objects, so in the same dtype."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    only = set(methods) if methods is not None else None
     prompts = prompts or PROMPTS
     target, draft, tokenizer = runtime.target, runtime.draft, runtime.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark renders chat prompts: the runtime needs a tokenizer")
     eos = runtime.eos_token_ids
     out = BenchResult(target_name, draft_name, max_new_tokens, str(runtime.device))
+    out.precision = dict(runtime.precision) or {
+        role: str(next(model.parameters()).dtype).removeprefix("torch.")
+        for role, model in (("target", target), ("draft", draft))
+        if model is not None
+    }
 
     def hf(ids: list[int], **kwargs: Any) -> list[int]:
         # Greedy: the round's seed (the second argument of every method) does not apply.
@@ -188,23 +208,29 @@ def run_bench(
         tokens = generated[0, len(ids) :].tolist()
         return [t for t in tokens if t not in eos]
 
-    methods: dict[str, Callable[[list[int], int], tuple[list[int], Any]]] = {
+    runs: dict[str, Callable[[list[int], int], tuple[list[int], Any]]] = {
         "plain": lambda ids, seed: (hf(ids), None),
         "hf_prompt_lookup": lambda ids, seed: (hf(ids, prompt_lookup_num_tokens=6), None),
     }
     if draft is not None:
-        methods["hf_assisted"] = lambda ids, seed: (hf(ids, assistant_model=draft), None)
+        runs["hf_assisted"] = lambda ids, seed: (hf(ids, assistant_model=draft), None)
     sampled = {f"specagent_{p.name}" for p in runtime.policies if p.sampling.temperature > 0}
     for policy in runtime.policies:
         if policy.name == "default":
             continue
-        methods[f"specagent_{policy.name}"] = _spec_method(runtime, policy.name, max_new_tokens)
+        runs[f"specagent_{policy.name}"] = _spec_method(runtime, policy.name, max_new_tokens)
+    if only is not None:
+        unknown = only - set(runs)
+        if unknown:
+            msg = f"unknown bench methods {sorted(unknown)}; known: {sorted(runs)}"
+            raise ValueError(msg)
+        runs = {name: run for name, run in runs.items() if name == "plain" or name in only}
 
     warm = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True
     )
     warm_ids = list(warm["input_ids"] if hasattr(warm, "keys") else warm)
-    for name, method in methods.items():  # warm-up: kernels, allocator, cost calibration
+    for name, method in runs.items():  # warm-up: kernels, allocator, cost calibration
         method(warm_ids, 0)
         log(f"warmed up {name}")
 
@@ -220,7 +246,7 @@ def run_bench(
     for round_index in range(repeats):
         for prompt_name, ids in rendered_prompts.items():
             reference: list[int] | None = None
-            for name, method in methods.items():
+            for name, method in runs.items():
                 start = time.perf_counter()
                 tokens, stats = method(ids, round_index)
                 seconds = time.perf_counter() - start
@@ -248,7 +274,19 @@ def run_bench(
     for prompt_name, by_method in rounds.items():
         out.results[prompt_name] = {name: _median_round(rows) for name, rows in by_method.items()}
     out.summary = _summarise(out.results)
+    out.peak_rss_mb = peak_rss_mb()
     return out
+
+
+def peak_rss_mb() -> float | None:
+    """Peak resident memory of this process in MiB (None where the OS does not say)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+    return round(peak * scale / 2**20, 1)
 
 
 def _median_round(rows: list[MethodResult]) -> MethodResult:
@@ -335,9 +373,14 @@ def write_chart(result: BenchResult, path: Path) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(prompts))], prompts)
     ax.set_ylabel("speed-up vs plain decoding")
+    dtypes = ", ".join(
+        f"{role} {info['dtype'] if isinstance(info, dict) else info}"
+        for role, info in result.precision.items()
+    )
     ax.set_title(
-        f"{result.target} (draft: {result.draft}), {result.device}, greedy (sampled-*: "
-        f"T {SAMPLED.temperature}), {result.max_new_tokens} tokens"
+        f"{result.target} (draft: {result.draft}), {result.device} {result.machine.get('cpu')}, "
+        f"{dtypes}\ngreedy (sampled-*: T {SAMPLED.temperature}), {result.max_new_tokens} tokens",
+        fontsize=9,
     )
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

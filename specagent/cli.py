@@ -54,6 +54,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     bench.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
+    bench.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="target dtype, for every method alike (auto: the fastest measured here)",
+    )
+    bench.add_argument(
+        "--draft-dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="draft dtype, for specagent and assisted generation alike (default: --dtype)",
+    )
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        help="run only these methods (e.g. plain hf_assisted specagent_lossless-draft_model); "
+        "plain always runs, as the reference",
+    )
 
     evaluate = sub.add_parser(
         "eval", help="what relaxed policies cost against their lossless twins, prompt by prompt"
@@ -179,7 +197,12 @@ def _bench(args: argparse.Namespace) -> int:
     # No prefix reuse here: every method pays its own prefill, as the baselines do
     # (benchmarks/runtime_load.py measures what reuse saves).
     runtime = SpecRuntime.from_pretrained(
-        target, draft=draft, policies=bench_policies(draft is not None), prefix_cache_tokens=0
+        target,
+        draft=draft,
+        policies=bench_policies(draft is not None),
+        prefix_cache_tokens=0,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype or args.dtype,
     )
     result = run_bench(
         runtime,
@@ -187,6 +210,7 @@ def _bench(args: argparse.Namespace) -> int:
         target_name=Path(target).name,
         draft_name=Path(draft).name if draft else None,
         repeats=args.repeats,
+        methods=args.methods,
     )
     stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
     json_path, png_path = save(result, args.out, stem)

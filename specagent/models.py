@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from .errors import IncompatibleDraftError, ModelLoadError
 
@@ -17,6 +17,7 @@ __all__ = [
     "check_draft_compatible",
     "context_window",
     "eos_token_ids",
+    "load_config",
     "load_model",
     "load_tokenizer",
     "model_vocab_size",
@@ -37,7 +38,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``"auto"``: bfloat16 on CUDA, float32 elsewhere (CPUs without bf16 matmul gain nothing)."""
+    """A dtype by name. ``"auto"`` here is the choice made without measuring: bfloat16 on
+    CUDA, float32 elsewhere; ``SpecRuntime.from_pretrained`` measures instead
+    (``specagent.precision``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
@@ -78,6 +81,15 @@ def load_model(
         raise ModelLoadError(msg) from exc
     model.to(device)  # type: ignore[arg-type]  # transformers types .to() oddly
     return model.eval()
+
+
+def load_config(source: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's config alone (no weights): enough to key measurements of its shapes."""
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        msg = f"cannot load the config of {source!r}: {exc}"
+        raise ModelLoadError(msg) from exc
 
 
 def load_tokenizer(source: str, *, trust_remote_code: bool = False) -> Any:

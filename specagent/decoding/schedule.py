@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .cache import ModelRunner, crop_to
+from .kernels import LinearPlan, choose_kernels
 
 __all__ = [
     "AdaptiveSchedule",
     "CostModel",
     "FixedSchedule",
     "Schedule",
+    "forward_timer",
     "interpolate_costs",
     "measure_costs",
 ]
@@ -118,6 +121,13 @@ class AdaptiveSchedule(Schedule):
     """Weight kept by old observations per step: acceptance drifts within a call (code vs prose),
     but a slow decay lets the estimate reach the 0.97+ that long drafts need."""
     probe_every: int = 8
+    """Fewest plain steps between two probes (a one-token draft that keeps the acceptance
+    estimate from freezing while drafting does not pay)."""
+    probe_budget: float = 0.02
+    """Probes may cost a call that never drafts at most this share of its time: where a probe
+    costs more than a plain step by c target steps (``step_cost(1) - 1``: drafting one token
+    and verifying two, on CPUs where a second row costs nearly a whole step), probes come only
+    every ``c / probe_budget`` plain steps."""
     drafter_stops: bool = False
     """The drafter ends each draft by cost itself (``DraftModelDrafter`` with costs): whenever
     drafting pays, allow up to ``max_k`` and let the drafter stop where its own confidence says
@@ -141,13 +151,19 @@ class AdaptiveSchedule(Schedule):
                 best, best_rate = k, rate
         return best
 
+    @property
+    def probe_interval(self) -> int:
+        """Plain steps between probes (see ``probe_budget``)."""
+        extra = max(self.costs.step_cost(1) - 1.0, 0.0)
+        return max(self.probe_every, math.ceil(extra / self.probe_budget))
+
     def next_k(self, limit: int) -> int:
         k = self.best_k()
         if k > 0 and self.drafter_stops:
             k = self.max_k
         if k == 0:
             self._plain_steps += 1
-            if self._plain_steps >= self.probe_every:
+            if self._plain_steps >= self.probe_interval:
                 self._plain_steps = 0
                 k = 1
         return max(0, min(k, limit))
@@ -159,8 +175,9 @@ class AdaptiveSchedule(Schedule):
         self._trials = self._trials * self.decay + accepted + (1 if accepted < proposed else 0)
 
 
-MEASURED_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-"""Forward lengths ``measure_costs`` times; the ones between are interpolated."""
+MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+"""Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
+grid, and always the longest asked for); the ones between are interpolated."""
 
 
 def measure_costs(
@@ -176,40 +193,70 @@ def measure_costs(
     forwards over 1..draft_tokens, relative to a single-token target forward (best of
     ``repeats`` after a warm-up).
 
+    Each length is timed with torch's linear kernels and with the transposed form of
+    ``kernels.choose_kernels``; the faster is kept, and each runner is left with the kernels
+    its costs were measured under (``ModelRunner.kernels``).
+
     Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
     best k on a GPU. The curve is kept as measured, even where it falls: matrix libraries switch
     kernels with the row count (with MKL on 2 cores, 4 to 12 rows cost up to twice as much per
     row as 16), and a curve forced to rise would hide the long drafts that pay. Lengths between
     the measured ones (``MEASURED_LENGTHS``) are interpolated. The runtime measures once and
     keeps the result, so seeded calls on one runtime stay reproducible."""
-    vocab = target.vocab_size
-    context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
 
-    def best_time(runner: ModelRunner, n: int) -> float:
-        cache = runner.new_cache()
-        runner.forward(context, cache, keep=1)
-        best = math.inf
-        for _ in range(repeats + 1):  # the first run warms up kernels and allocators
-            start = time.perf_counter()
-            logits = runner.forward([context[i % context_tokens] for i in range(n)], cache)
-            float(logits[-1, 0])  # synchronise with the device before reading the clock
-            best = min(best, time.perf_counter() - start)
-            crop_to(cache, context_tokens)
-        return best
+    def curve(runner: ModelRunner, longest: int) -> dict[int, float]:
+        lengths = {n for n in MEASURED_LENGTHS if n < longest} | {1, longest}
+        timer = forward_timer(runner, context_tokens=context_tokens, repeats=repeats)
+        plan, seconds = choose_kernels(timer, sorted(lengths))
+        # Lengths measured now take the new choice; longer ones keep an earlier measurement's.
+        kept = {n for n in runner.kernels.transposed_rows if n > longest}
+        runner.kernels = LinearPlan(frozenset(kept | plan.transposed_rows))
+        return seconds
 
-    def curve(runner: ModelRunner, longest: int, known: dict[int, float]) -> list[float]:
-        lengths = {n for n in MEASURED_LENGTHS if n < longest} | {longest}
-        measured = {n: best_time(runner, n) / unit for n in sorted(lengths - set(known))}
-        return interpolate_costs({**known, **measured}, longest)
-
-    unit = best_time(target, 1)
-    verify = curve(target, max(max_tokens, 1), {1: 1.0})
-    drafts = curve(draft, max(draft_tokens, 1), {}) if draft is not None else [0.0]
+    verify_seconds = curve(target, max(max_tokens, 1))
+    unit = verify_seconds[1]
+    verify = interpolate_costs({n: t / unit for n, t in verify_seconds.items()}, max(max_tokens, 1))
+    if draft is None:
+        return CostModel(verify=tuple(round(v, 2) for v in verify))
+    draft_seconds = curve(draft, max(draft_tokens, 1))
+    drafts = [t / unit for t in interpolate_costs(draft_seconds, max(draft_tokens, 1))]
     return CostModel(
         draft_step=round(drafts[0], 2),
         verify=tuple(round(v, 2) for v in verify),
-        draft=tuple(round(v, 2) for v in drafts) if draft is not None else (),
+        draft=tuple(round(v, 2) for v in drafts),
     )
+
+
+def forward_timer(
+    runner: ModelRunner, *, context_tokens: int = 32, repeats: int = 2
+) -> Callable[[int, LinearPlan], float]:
+    """``time(n, plan)``: seconds of one forward of ``runner`` over n new tokens after
+    ``context_tokens`` cached ones, with the linear kernels of ``plan`` (best of ``repeats``;
+    the first time a length is timed, after one more run that warms kernels and allocator)."""
+    vocab = runner.vocab_size
+    context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
+    cache = runner.new_cache()
+    runner.forward(context, cache, keep=1)
+    warmed: set[int] = set()
+
+    def time_forward(n: int, plan: LinearPlan) -> float:
+        tokens = [context[i % context_tokens] for i in range(n)]
+        before, runner.kernels = runner.kernels, plan
+        try:
+            best = math.inf
+            runs = repeats if n in warmed else repeats + 1
+            warmed.add(n)
+            for _ in range(runs):
+                start = time.perf_counter()
+                logits = runner.forward(tokens, cache)
+                float(logits[-1, 0])  # synchronise with the device before reading the clock
+                best = min(best, time.perf_counter() - start)
+                crop_to(cache, context_tokens)
+            return best
+        finally:
+            runner.kernels = before
+
+    return time_forward
 
 
 def interpolate_costs(measured: dict[int, float], max_tokens: int) -> list[float]:

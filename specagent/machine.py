@@ -1,0 +1,149 @@
+"""What machine this is, and what was measured on it.
+
+Machines of one kind differ (Intel or AMD, which BLAS paths are fast, native bf16 or not), so the
+step costs, the linear kernels and the dtype are measured where the runtime runs. Measuring takes
+a minute on a 1.5B model on a 2-core CPU; ``ProbeStore`` keeps the results in the cache directory,
+one JSON file per machine fingerprint (CPU model and flags, thread count, accelerator, torch and
+transformers versions) and entry per model shape and dtype, so later loads on the same machine
+skip it. Anything that changes the machine's answer changes the fingerprint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ProbeStore", "config_key", "machine_info", "model_key"]
+
+_ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+    "asimd",
+    "sve",
+    "bf16",
+    "i8mm",
+)
+"""The CPU flags that decide which matrix kernels (and dtypes) are fast."""
+
+
+@lru_cache(maxsize=1)
+def machine_info() -> dict[str, Any]:
+    """The facts a benchmark result or a cached measurement must name: CPU model and the ISA
+    flags that matter for matrix kernels, threads, accelerator, BLAS and library versions."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
+    family: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name == "model name" and cpu in ("", platform.machine(), platform.processor()):
+                    cpu = value.strip()
+                elif name in ("cpu family", "model") and name not in family:
+                    family[name] = value.strip()
+                elif name in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the platform's own name is all there is
+        pass
+    config = torch.__config__.show()
+    blas = next((b for b in ("MKL", "OpenBLAS", "Accelerate", "BLIS") if b in config), "unknown")
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_family_model": "/".join(family.get(k, "?") for k in ("cpu family", "model")),
+        "isa_flags": sorted(f for f in _ISA_FLAGS if f in flags),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "blas": blas,
+        "mkl_version": _mkl_version(config),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def _mkl_version(config: str) -> str | None:
+    for line in config.splitlines():
+        if "Math Kernel Library Version" in line:
+            return line.split("Version", 1)[1].split("-")[0].strip()
+    return None
+
+
+def fingerprint() -> str:
+    """A short hash of everything in ``machine_info`` that changes measured speed."""
+    info = machine_info()
+    keep = {k: info[k] for k in info if k != "python"}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def config_key(config: Any, *parts: object) -> str:
+    """A key for measurements of a model architecture: its config without the fields that do not
+    change speed, and any extra ``parts`` (dtype, device, lengths). Weights do not change speed,
+    so two checkpoints of one architecture share their measurements."""
+    described = config.to_dict() if hasattr(config, "to_dict") else {"config": str(config)}
+    for noise in ("_name_or_path", "transformers_version", "architectures", "torch_dtype", "dtype"):
+        described.pop(noise, None)
+    payload = json.dumps([described, [str(p) for p in parts]], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:20]
+
+
+def model_key(model: torch.nn.Module, *parts: object) -> str:
+    """``config_key`` of a loaded model, with its dtype and device."""
+    config = getattr(model, "config", None) or {"type": type(model).__name__}
+    param = next(model.parameters())
+    return config_key(config, str(param.dtype), param.device.type, *parts)
+
+
+class ProbeStore:
+    """Measurements of this machine, kept as JSON under ``directory`` (one file per machine)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / f"machine-{fingerprint()}.json"
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # absent, or written by something else: measure again
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> Any | None:
+        return self._read().get("entries", {}).get(key)
+
+    def put(self, key: str, value: Any) -> None:
+        """Record ``value`` under ``key``; a failed write only costs a later re-measurement."""
+        data = self._read()
+        data["machine"] = machine_info()
+        data.setdefault("entries", {})[key] = value
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(
+                "w", dir=self.path.parent, delete=False, suffix=".tmp", encoding="utf-8"
+            ) as tmp:
+                json.dump(data, tmp, indent=1, sort_keys=True)
+            os.replace(tmp.name, self.path)
+        except OSError:
+            pass
