@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -121,3 +123,85 @@ def test_schedule_leaves_the_draft_length_to_a_stopping_drafter() -> None:
     for _ in range(10):
         schedule.observe(1, 0)
     assert schedule.next_k(100) == 0
+
+
+def _curve(kind: str, longest: int = 21) -> tuple[float, ...]:
+    """Synthetic verify curves (cost of n rows relative to one)."""
+    if kind == "flat_then_cliff":  # 1-3 rows at the price of one, then twice as much
+        return tuple(1.0 if n <= 3 else 2.0 + 0.05 * (n - 4) for n in range(1, longest + 1))
+    if kind == "per_row_then_flat":  # the AVX2 EPYC's fp32 curve before the transposed kernels
+        return tuple(float(min(n, 3)) for n in range(1, longest + 1))
+    if kind == "linear":
+        return tuple(1.0 + 0.3 * (n - 1) for n in range(1, longest + 1))
+    assert kind == "flat"
+    return tuple(1.0 for _ in range(longest))
+
+
+def _brute_best_k(acceptance: float, draft_step: float, verify: tuple[float, ...], max_k: int):
+    """Expected tokens per unit of cost for every k, written out term by term."""
+    rates = {}
+    for k in range(max_k + 1):
+        tokens = sum(acceptance**i for i in range(k + 1))  # 1 + a + ... + a^k
+        rates[k] = tokens / (k * draft_step + verify[k])
+    best = max(rates.values())
+    return {k for k, r in rates.items() if r >= best / 1.0001}, rates
+
+
+CURVES = ["flat_then_cliff", "per_row_then_flat", "linear", "flat"]
+
+
+@pytest.mark.parametrize("kind", CURVES)
+@pytest.mark.parametrize("acceptance", [0.2, 0.5, 0.7, 0.8, 0.9, 0.97])
+@pytest.mark.parametrize("draft_step", [0.0, 0.2, 0.5])
+def test_best_k_matches_brute_force_on_any_curve(kind, acceptance, draft_step) -> None:
+    costs = CostModel(draft_step=draft_step, verify=_curve(kind))
+    schedule = AdaptiveSchedule(max_k=20, costs=costs, prior_acceptance=acceptance)
+    assert schedule.acceptance == pytest.approx(acceptance)
+    best, rates = _brute_best_k(acceptance, draft_step, costs.verify, 20)
+    chosen = schedule.best_k()
+    assert chosen in best, (chosen, sorted(best), rates)
+
+
+def test_brute_force_cases_cover_cheap_row_counts_and_plain_decoding() -> None:
+    """The curves above do make the answers differ: a cliff keeps k where rows are cheap (k = 2:
+    three rows), a per-row curve makes drafting a loss unless nearly everything is accepted
+    (then long drafts, past the flat part), a flat one asks for the longest draft."""
+    assert _brute_best_k(0.8, 0.2, _curve("flat_then_cliff"), 20)[0] == {2}
+    assert _brute_best_k(0.8, 0.2, _curve("per_row_then_flat"), 20)[0] == {0}
+    assert _brute_best_k(0.97, 0.05, _curve("per_row_then_flat"), 20)[0] == {20}
+    assert _brute_best_k(0.97, 0.0, _curve("flat"), 20)[0] == {20}
+
+
+@pytest.mark.parametrize("kind", CURVES)
+@pytest.mark.parametrize("acceptance", [0.3, 0.7, 0.9, 0.99])
+def test_drafter_plan_matches_brute_force_before_its_first_token(draft, kind, acceptance) -> None:
+    """Before drafting, the drafter's planned length maximises the same quantity as the
+    schedule, at the call's acceptance (at least one token: the schedule decided to draft)."""
+    costs = CostModel(draft_step=0.2, verify=_curve(kind))
+    drafter = DraftModelDrafter(ModelRunner(draft), costs=costs)
+    drafter._call_hits, drafter._call_trials = acceptance * 100, 100.0
+    best, rates = _brute_best_k(acceptance, 0.2, costs.verify, 20)
+    planned = drafter._planned_length(0, 20, 1.0, 1.0)
+    assert planned in best or (best == {0} and planned == 0), (planned, sorted(best), rates)
+
+
+@pytest.mark.parametrize(("draft_step", "verify_two"), [(0.05, 1.0), (0.4, 1.05), (0.3, 2.0)])
+def test_probes_cost_a_call_that_never_drafts_at_most_the_budget(draft_step, verify_two) -> None:
+    costs = CostModel(draft_step=draft_step, verify=(1.0, verify_two, 3.0))
+    schedule = AdaptiveSchedule(max_k=2, costs=costs, probe_every=8)
+    ks = []
+    for _ in range(400):
+        k = schedule.next_k(100)
+        ks.append(k)
+        schedule.observe(k, 0)
+    plain_cost = len(ks)
+    spent = sum(costs.step_cost(k) for k in ks)
+    tail = ks[50:]  # past the prior's first drafts
+    assert 1 in tail  # still probing, so the estimate can recover
+    probes = sum(1 for k in tail if k)
+    extra = costs.step_cost(1) - 1.0
+    assert probes <= len(tail) / schedule.probe_interval + 1
+    # Dear probes are rare (cheap ones come every probe_every steps and cost little).
+    assert probes * extra / len(tail) <= schedule.probe_budget + extra / len(tail)
+    assert spent / plain_cost < 1.0 + schedule.probe_budget + 0.05  # the prior's first steps
+    assert schedule.probe_interval == max(8, math.ceil(extra / 0.02))

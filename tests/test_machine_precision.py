@@ -1,0 +1,164 @@
+"""What is measured on the machine at hand (dtype, step costs, kernels), how it is kept across
+runs, and what a result says about the machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_model
+
+from specagent import SpecRuntime
+from specagent import runtime as runtime_module
+from specagent.machine import ProbeStore, config_key, fingerprint, machine_info, model_key
+from specagent.policy import Policy
+from specagent.policy.schema import DrafterConfig
+from specagent.precision import DtypeChoice, choose_dtype, speculative_cost_per_token
+
+DRAFTING = [
+    Policy(
+        name="drafting",
+        description="test",
+        mode="lossless",
+        drafter=DrafterConfig(kind="draft_model", num_speculative_tokens=4, adaptive=True),
+    )
+]
+
+
+def test_machine_info_names_what_decides_speed() -> None:
+    info = machine_info()
+    for field in ("cpu", "isa_flags", "cpu_capability", "torch_threads", "blas", "torch"):
+        assert field in info
+    assert info["torch"] == torch.__version__
+    assert len(fingerprint()) == 16
+    assert fingerprint() == fingerprint()
+
+
+def test_model_keys_follow_shape_and_dtype_not_weights() -> None:
+    a, b = make_model(64, seed=0), make_model(64, seed=1)
+    assert model_key(a) == model_key(b)  # other weights, same speed
+    assert model_key(a) != model_key(make_model(64, hidden=32))
+    assert model_key(a) != model_key(make_model(64).to(torch.bfloat16))
+    assert config_key(a.config, 5) != config_key(a.config, 6)
+
+
+def test_probe_store_round_trip_and_damaged_files(tmp_path: Path) -> None:
+    store = ProbeStore(tmp_path / "probes")
+    assert store.get("x") is None
+    store.put("x", {"costs": [1.0, 1.1]})
+    store.put("y", [1, 2])
+    again = ProbeStore(tmp_path / "probes")
+    assert again.get("x") == {"costs": [1.0, 1.1]}
+    assert json.loads(again.path.read_text())["machine"]["cpu"] == machine_info()["cpu"]
+    again.path.write_text("{not json")
+    assert again.get("x") is None  # measured again, never a crash
+    again.put("x", 3)
+    assert again.get("x") == 3
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    ProbeStore(blocked / "probes").put("x", 1)  # cannot write: only costs a re-measurement
+
+
+def test_target_dtype_is_judged_per_speculative_token() -> None:
+    """A dtype fast at one row but dear per extra row loses to one that verifies cheaply."""
+    cheap_single = {1: 0.33, 4: 0.91, 8: 1.59}  # bf16 without native support (measured)
+    flat = {1: 0.73, 4: 0.78, 8: 1.10}  # float32 with the transposed kernels (measured)
+    assert speculative_cost_per_token(flat) < speculative_cost_per_token(cheap_single)
+    assert speculative_cost_per_token({1: 1.0}) == 1.0
+
+
+def test_dtype_is_measured_once_per_machine_and_shape(tmp_path: Path) -> None:
+    store = ProbeStore(tmp_path)
+    loads: list[torch.dtype] = []
+
+    def load(dtype: torch.dtype) -> torch.nn.Module:
+        loads.append(dtype)
+        return make_model(64, layers=2).to(dtype)
+
+    model, choice = choose_dtype(load, "target", torch.device("cpu"), key="tiny", store=store)
+    assert loads == [torch.float32, torch.bfloat16]  # both measured
+    assert choice.dtype in (torch.float32, torch.bfloat16)
+    assert next(model.parameters()).dtype == choice.dtype
+    assert set(choice.seconds) == {"float32", "bfloat16"}
+    assert set(choice.seconds["float32"]) == {1, 4, 8}
+    assert "bf16" in choice.reason
+    loads.clear()
+    model, again = choose_dtype(load, "target", torch.device("cpu"), key="tiny", store=store)
+    assert loads == [choice.dtype]  # loaded once, in the stored choice, not measured
+    assert again.dtype == choice.dtype
+    assert "measured earlier" in again.reason
+    _, draft_choice = choose_dtype(load, "draft", torch.device("cpu"), key="tiny", store=store)
+    assert set(draft_choice.seconds["float32"]) == {1}  # a draft is judged by one forward
+
+
+def test_float32_is_kept_unless_bf16_is_clearly_faster(tmp_path: Path, monkeypatch) -> None:
+    import specagent.precision as precision
+
+    def timed(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
+        low = next(model.parameters()).dtype == torch.bfloat16
+        return {n: (0.95 if low else 1.0) * n for n in lengths}  # bf16 5% faster: a tie
+
+    monkeypatch.setattr(precision, "_time", timed)
+    load = lambda dtype: make_model(64).to(dtype)  # noqa: E731
+    _, choice = choose_dtype(load, "draft", torch.device("cpu"), key="tie")
+    assert choice.dtype == torch.float32
+    monkeypatch.setattr(
+        precision,
+        "_time",
+        lambda m, n: {1: 0.4 if next(m.parameters()).dtype != torch.float32 else 1.0},
+    )
+    _, choice = choose_dtype(load, "draft", torch.device("cpu"), key="fast")
+    assert choice.dtype == torch.bfloat16
+    assert choice.to_json()["dtype"] == "bfloat16"
+
+
+def test_runtime_reuses_costs_and_kernels_measured_on_this_machine(
+    target, draft, tokenizer, tmp_path: Path, monkeypatch
+) -> None:
+    store = ProbeStore(tmp_path)
+    first = SpecRuntime(target, draft, tokenizer, DRAFTING, "cpu", probe_store=store)
+    costs = first.step_costs("drafting")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("costs were measured again")
+
+    monkeypatch.setattr(runtime_module, "measure_costs", refuse)
+    second = SpecRuntime(target, draft, tokenizer, DRAFTING, "cpu", probe_store=store)
+    assert second.step_costs("drafting") == costs
+    assert second._target_runner.kernels == first._target_runner.kernels
+    assert second._draft_runner is not None
+    assert first._draft_runner is not None
+    assert second._draft_runner.kernels == first._draft_runner.kernels
+
+
+def test_from_pretrained_auto_measures_dtype_for_target_and_draft(
+    tokenizer, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path / "cache"))
+    for name, seed in (("target", 0), ("draft", 1)):
+        make_model(len(tokenizer), seed=seed).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    runtime = SpecRuntime.from_pretrained(
+        str(tmp_path / "target"), draft=str(tmp_path / "draft"), device="cpu"
+    )
+    assert set(runtime.precision) == {"target", "draft"}
+    for role, model in (("target", runtime.target), ("draft", runtime.draft)):
+        assert model is not None
+        assert runtime.precision[role]["dtype"] == str(next(model.parameters()).dtype)[6:]
+        assert runtime.precision[role]["seconds"]
+    assert list((tmp_path / "cache" / "probes").glob("machine-*.json"))
+    result = runtime.generate_sync("Hello", max_new_tokens=4)
+    assert result.usage.output_tokens >= 1
+    runtime.close()
+    fixed = SpecRuntime.from_pretrained(str(tmp_path / "target"), device="cpu", dtype="float32")
+    assert fixed.precision["target"] == DtypeChoice(torch.float32, "asked for").to_json()
+
+
+def test_unknown_dtype_names_what_is_accepted(tmp_path: Path) -> None:
+    from specagent.errors import ModelLoadError
+    from specagent.models import resolve_dtype
+
+    with pytest.raises(ModelLoadError, match="expected 'auto' or one of"):
+        resolve_dtype("float8", torch.device("cpu"))
