@@ -75,6 +75,9 @@ from .telemetry import CallSpan, Telemetry
 
 __all__ = ["SpecRuntime"]
 
+COSTS_VERSION = 2
+"""Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused."""
+
 PoliciesArg = str | Path | PolicySet | Sequence[Policy] | None
 
 
@@ -914,7 +917,10 @@ class SpecRuntime:
         """A cost curve of ``runner`` (relative to one target forward) and the kernels it was
         measured with: from ``probe_store`` when this machine measured the same shapes before,
         else measured now and stored."""
-        key = f"{what}:{model_key(runner.model, longest)}:{model_key(self._target_runner.model)}"
+        key = (
+            f"{what}-v{COSTS_VERSION}:{model_key(runner.model, longest)}:"
+            f"{model_key(self._target_runner.model)}"
+        )
         stored = self.probe_store.get(key) if self.probe_store is not None else None
         if isinstance(stored, dict) and len(stored.get("costs", ())) >= 1:
             runner.kernels = LinearPlan(frozenset(int(n) for n in stored["transposed_rows"]))

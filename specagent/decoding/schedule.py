@@ -178,6 +178,10 @@ class AdaptiveSchedule(Schedule):
 MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 """Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
 grid, and always the longest asked for); the ones between are interpolated."""
+PREFILL_LENGTHS = (48, 96, 192)
+"""Longer forwards, timed once each way for the kernel choice only: prompt prefills (and the
+draft's catch-up after plain steps) run through the same linear layers. Past the last one,
+torch's kernels."""
 
 
 def measure_costs(
@@ -193,9 +197,11 @@ def measure_costs(
     forwards over 1..draft_tokens, relative to a single-token target forward (best of
     ``repeats`` after a warm-up).
 
-    Each length is timed with torch's linear kernels and with the transposed form of
-    ``kernels.choose_kernels``; the faster is kept, and each runner is left with the kernels
-    its costs were measured under (``ModelRunner.kernels``).
+    Each length (and the prefill lengths of ``PREFILL_LENGTHS``) is timed with torch's linear
+    kernels and with the transposed form of ``kernels.choose_kernels``; the faster is kept, and
+    each runner is left with the kernels its costs were measured under (``ModelRunner.kernels``).
+    With a draft and ``max_tokens`` 1, only the target's unit is timed, with its kernels as
+    they are.
 
     Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
     best k on a GPU. The curve is kept as measured, even where it falls: matrix libraries switch
@@ -207,13 +213,21 @@ def measure_costs(
     def curve(runner: ModelRunner, longest: int) -> dict[int, float]:
         lengths = {n for n in MEASURED_LENGTHS if n < longest} | {1, longest}
         timer = forward_timer(runner, context_tokens=context_tokens, repeats=repeats)
-        plan, seconds = choose_kernels(timer, sorted(lengths))
-        # Lengths measured now take the new choice; longer ones keep an earlier measurement's.
-        kept = {n for n in runner.kernels.transposed_rows if n > longest}
-        runner.kernels = LinearPlan(frozenset(kept | plan.transposed_rows))
-        return seconds
+        prefill_timer = forward_timer(runner, context_tokens=context_tokens, repeats=1, keep=1)
 
-    verify_seconds = curve(target, max(max_tokens, 1))
+        def time_forward(n: int, plan: LinearPlan) -> float:
+            return timer(n, plan) if n in lengths else prefill_timer(n, plan)
+
+        prefills = [n for n in PREFILL_LENGTHS if n > longest]
+        plan, seconds = choose_kernels(time_forward, sorted(lengths) + prefills)
+        runner.kernels = plan
+        return {n: t for n, t in seconds.items() if n in lengths}
+
+    if draft is not None and max_tokens <= 1:
+        # Only the unit is wanted: the target keeps the kernels an earlier measurement chose.
+        verify_seconds = {1: forward_timer(target, repeats=repeats)(1, target.kernels)}
+    else:
+        verify_seconds = curve(target, max(max_tokens, 1))
     unit = verify_seconds[1]
     verify = interpolate_costs({n: t / unit for n, t in verify_seconds.items()}, max(max_tokens, 1))
     if draft is None:
@@ -228,11 +242,13 @@ def measure_costs(
 
 
 def forward_timer(
-    runner: ModelRunner, *, context_tokens: int = 32, repeats: int = 2
+    runner: ModelRunner, *, context_tokens: int = 32, repeats: int = 2, keep: int | None = None
 ) -> Callable[[int, LinearPlan], float]:
     """``time(n, plan)``: seconds of one forward of ``runner`` over n new tokens after
     ``context_tokens`` cached ones, with the linear kernels of ``plan`` (best of ``repeats``;
-    the first time a length is timed, after one more run that warms kernels and allocator)."""
+    the first time a length is timed, after one more run that warms kernels and allocator).
+    ``keep``: logits of the last positions only, as a prefill asks (None: all, as a
+    verification)."""
     vocab = runner.vocab_size
     context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
     cache = runner.new_cache()
@@ -248,7 +264,7 @@ def forward_timer(
             warmed.add(n)
             for _ in range(runs):
                 start = time.perf_counter()
-                logits = runner.forward(tokens, cache)
+                logits = runner.forward(tokens, cache, keep)
                 float(logits[-1, 0])  # synchronise with the device before reading the clock
                 best = min(best, time.perf_counter() - start)
                 crop_to(cache, context_tokens)
