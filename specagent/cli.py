@@ -118,6 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     models_sub.add_parser("list")
     fetch = models_sub.add_parser("fetch", help="download, verify and convert a catalog model")
     fetch.add_argument("name")
+    info = models_sub.add_parser(
+        "info",
+        help="load a model (and draft) as the runtime would: the dtype chosen on this machine "
+        "and why, the measured forward times, and the machine",
+    )
+    info.add_argument("name", help="catalog name, local path or hub id of the target")
+    info.add_argument("--draft", help="catalog name, local path or hub id of a draft model")
+    info.add_argument("--dtype", default="auto", help="target dtype (default: measured)")
 
     args = parser.parse_args(argv)
     try:
@@ -148,6 +156,8 @@ def _dispatch(args: argparse.Namespace) -> int | None:
             for pair, (target, draft) in PAIRS.items():
                 print(f"pair {pair}: target {target}, draft {draft}")
             return 0
+        if args.action == "info":
+            return _model_info(args)
         print(resolve_model(args.name))
         return 0
     if args.command == "run":
@@ -184,6 +194,18 @@ def _run(args: argparse.Namespace) -> int:
         if chunk.result is not None:
             print()
             print(json.dumps(chunk.result.stats.as_dict(), indent=1), file=sys.stderr)
+    runtime.close()
+    return 0
+
+
+def _model_info(args: argparse.Namespace) -> int:
+    from .machine import machine_info
+    from .runtime import SpecRuntime
+
+    runtime = SpecRuntime.from_pretrained(args.name, draft=args.draft, dtype=args.dtype)
+    print(json.dumps({"machine": machine_info(), "precision": runtime.precision}, indent=1))
+    for role, choice in runtime.precision.items():
+        print(f"{role}: {choice['dtype']} ({choice['reason']})")
     runtime.close()
     return 0
 

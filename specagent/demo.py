@@ -53,6 +53,8 @@ def run_demo(pair: str | None = None, policies: str = "policies") -> int:
         flush=True,
     )
     runtime = SpecRuntime.from_pretrained(target, draft=draft, policies=policies)
+    for role, choice in runtime.precision.items():
+        print(f"{role} runs in {choice['dtype']}: {choice['reason']}", flush=True)
 
     @tool
     def lookup_order(

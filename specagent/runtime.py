@@ -504,6 +504,7 @@ class SpecRuntime:
         dev = resolve_device(device)
         store = ProbeStore(cache_dir() / "probes")
         tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+        precision: dict[str, Any] = {}
 
         def loaded(source: str, role: Role, wanted: str | torch.dtype) -> torch.nn.Module:
             def load(dt: torch.dtype) -> torch.nn.Module:
@@ -518,7 +519,6 @@ class SpecRuntime:
             precision[role] = choice.to_json()
             return model
 
-        precision: dict[str, Any] = {}
         target_model = loaded(target, "target", dtype)
         draft_model = draft_tokenizer = None
         if draft is not None:

@@ -121,8 +121,27 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
     }
     assert set(relaxed["specagent_sampled-relaxed-draft_model"]["per_prompt"]) == {"code", "prose"}
     json_path, png_path = save(result, tmp_path, "tiny")
-    assert json.loads(json_path.read_text())["results"]["prose"]["plain"]["tokens"] >= 0
+    saved = json.loads(json_path.read_text())
+    assert saved["results"]["prose"]["plain"]["tokens"] >= 0
     assert png_path.stat().st_size > 1000
+    # The result names the machine and every method's dtype, and how much memory it took.
+    assert saved["machine"]["cpu"]
+    assert "torch" in saved["machine"]
+    assert saved["precision"] == {"target": "float32", "draft": "float32"}
+    assert saved["peak_rss_mb"] > 0
+
+
+def test_bench_runs_only_the_methods_named(target, draft, tokenizer) -> None:
+    runtime = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=bench_policies(True), device="cpu"
+    )
+    prompts = {"code": [{"role": "user", "content": "def f(x):"}]}
+    only = ["hf_assisted", "specagent_lossless-draft_model"]
+    result = run_bench(runtime, max_new_tokens=6, prompts=prompts, log=lambda _: None, methods=only)
+    assert set(result.results["code"]) == {"plain", *only}  # plain always: the reference
+    with pytest.raises(ValueError, match="unknown bench methods"):
+        run_bench(runtime, max_new_tokens=6, prompts=prompts, methods=["vllm"])
+    runtime.close()
 
 
 def test_examples_compile() -> None:

@@ -162,3 +162,18 @@ def test_unknown_dtype_names_what_is_accepted(tmp_path: Path) -> None:
 
     with pytest.raises(ModelLoadError, match="expected 'auto' or one of"):
         resolve_dtype("float8", torch.device("cpu"))
+
+
+def test_cli_models_info_says_which_dtype_and_why(
+    tokenizer, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from specagent.cli import main
+
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path / "cache"))
+    make_model(len(tokenizer)).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    assert main(["models", "info", str(tmp_path / "target")]) == 0
+    out = capsys.readouterr().out
+    assert '"cpu"' in out
+    assert "target: " in out
+    assert "s per token at acceptance 0.8" in out
