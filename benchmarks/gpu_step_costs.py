@@ -33,16 +33,12 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.decoding.cache import ModelRunner, crop_to
-from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specagent.decoding.costs import CostModel, expected_tokens, measure_costs
+from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
-from specagent.decoding.schedule import (
-    AdaptiveSchedule,
-    CostModel,
-    FixedSchedule,
-    expected_tokens,
-    measure_costs,
-)
+from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 
 # Real configs (config.json of the Qwen2.5 instruct checkpoints), written out: no hub here.
 QWEN_7B = {

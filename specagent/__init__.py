@@ -4,11 +4,13 @@ Public names only; everything else is private to its module.
 """
 
 from ._version import __version__
+from .backend import Backend
 from .errors import (
     ContextLengthError,
     EvaluationError,
     GenerationError,
     IncompatibleDraftError,
+    IncompleteOutputError,
     InvalidRequestError,
     ModelLoadError,
     PolicyError,
@@ -22,11 +24,13 @@ from .results import GenerationResult, SpecStats, StreamChunk, Usage
 from .runtime import SpecRuntime
 
 __all__ = [
+    "Backend",
     "ContextLengthError",
     "EvaluationError",
     "GenerationError",
     "GenerationResult",
     "IncompatibleDraftError",
+    "IncompleteOutputError",
     "InvalidRequestError",
     "ModelLoadError",
     "Policy",

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from .chat import render_prompt
 from .machine import machine_info
 from .policy import Policy
 from .policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
@@ -226,22 +227,17 @@ def run_bench(
             raise ValueError(msg)
         runs = {name: run for name, run in runs.items() if name == "plain" or name in only}
 
-    warm = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True
-    )
-    warm_ids = list(warm["input_ids"] if hasattr(warm, "keys") else warm)
-    for name, method in runs.items():  # warm-up: kernels, allocator, cost calibration
+    def rendered(messages: list[dict[str, str]]) -> list[int]:
+        return render_prompt(messages, tokenizer, vocab_size=runtime.vocab_size)
+
+    warm_ids = rendered([{"role": "user", "content": "Hi"}])
+    for name, method in runs.items():  # warm-up: kernels, allocator
         method(warm_ids, 0)
         log(f"warmed up {name}")
+    if not runtime.wait_measured(timeout=3600):  # timed runs must not share the worker with it
+        log("step costs still being measured after an hour; timing anyway")
 
-    rendered_prompts = {}
-    for prompt_name, messages in prompts.items():
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        rendered_prompts[prompt_name] = list(
-            rendered["input_ids"] if hasattr(rendered, "keys") else rendered
-        )
+    rendered_prompts = {name: rendered(messages) for name, messages in prompts.items()}
     rounds: dict[str, dict[str, list[MethodResult]]] = {p: {} for p in prompts}
     for round_index in range(repeats):
         for prompt_name, ids in rendered_prompts.items():

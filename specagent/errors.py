@@ -27,6 +27,7 @@ __all__ = [
     "EvaluationError",
     "GenerationError",
     "IncompatibleDraftError",
+    "IncompleteOutputError",
     "InvalidRequestError",
     "ModelLoadError",
     "PolicyError",
@@ -81,6 +82,15 @@ class RuntimeOverloadedError(SpecAgentError, RuntimeError):
 
 class GenerationError(SpecAgentError, RuntimeError):
     """Decoding failed for this call inside the worker; the cause is chained."""
+
+
+class IncompleteOutputError(GenerationError):
+    """A constrained output (a tool call, a JSON schema) ran out of tokens before the grammar
+    was complete: it would not parse. ``output`` holds the text produced; raise the budget."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
 
 
 class EvaluationError(SpecAgentError, ValueError):

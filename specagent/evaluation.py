@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench import geomean
-from .decoding.schedule import CostModel
+from .decoding.costs import CostModel
 from .errors import EvaluationError
 from .policy import Policy
 from .results import GenerationResult

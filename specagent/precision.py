@@ -32,8 +32,8 @@ from typing import Any, Literal
 import torch
 
 from .decoding.cache import ModelRunner
+from .decoding.costs import expected_tokens, forward_timer
 from .decoding.kernels import choose_kernels
-from .decoding.schedule import expected_tokens, forward_timer
 from .machine import ProbeStore
 
 __all__ = ["DtypeChoice", "choose_dtype"]

@@ -14,13 +14,14 @@ Pass ``costs`` to pin the step costs too (they are measured once per runtime oth
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from .decoding.schedule import CostModel
+from .decoding.costs import CostModel
+from .decoding.registry import RULES
 from .errors import EvaluationError, PolicyError
 from .evaluation import (
     EvalPrompt,
@@ -35,12 +36,8 @@ from .runtime import SpecRuntime
 
 __all__ = ["GRIDS", "Budget", "TuneResult", "search_space", "tune"]
 
-GRIDS: dict[str, dict[str, tuple[float, ...]]] = {
-    "typical": {"epsilon": (0.05, 0.1, 0.2, 0.3, 0.5), "delta": (0.09, 0.3)},
-    "top_k": {"top_k": (2, 3, 5), "ratio": (0.8, 0.5, 0.3, 0.1)},
-    "lenience": {"lenience": (0.9, 0.8, 0.65, 0.5, 0.35, 0.2)},
-}
-"""Parameter values searched per rule, from strict to loose."""
+GRIDS: dict[str, Mapping[str, tuple[Any, ...]]] = {name: kind.grid for name, kind in RULES.items()}
+"""Parameter values searched per rule, from strict to loose (``decoding.registry.RULES``)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from conftest import perturbed_copy
 
 from specagent import EvaluationError, Policy, PolicyError, SpecRuntime
 from specagent.cli import main
-from specagent.decoding.schedule import CostModel
+from specagent.decoding.costs import CostModel
 from specagent.evaluation import (
     EvalPrompt,
     TextSimilarity,

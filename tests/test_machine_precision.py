@@ -11,7 +11,7 @@ import torch
 from conftest import make_model
 
 from specagent import SpecRuntime
-from specagent import runtime as runtime_module
+from specagent.decoding import costs as costs_module
 from specagent.machine import ProbeStore, config_key, fingerprint, machine_info, model_key
 from specagent.policy import Policy
 from specagent.policy.schema import DrafterConfig
@@ -124,7 +124,7 @@ def test_runtime_reuses_costs_and_kernels_measured_on_this_machine(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("costs were measured again")
 
-    monkeypatch.setattr(runtime_module, "measure_costs", refuse)
+    monkeypatch.setattr(costs_module, "measure_steps", refuse)
     second = SpecRuntime(target, draft, tokenizer, DRAFTING, "cpu", probe_store=store)
     assert second.step_costs("drafting") == costs
     assert second._target_runner.kernels == first._target_runner.kernels

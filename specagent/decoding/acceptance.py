@@ -27,16 +27,20 @@ fraction of emitted tokens that differ from the target's argmax.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from .sampling import sample
 
 __all__ = [
+    "LenienceAcceptance",
     "LenienceRule",
     "RelaxedRule",
+    "TopKAcceptance",
     "TopKRule",
+    "TypicalAcceptance",
     "TypicalRule",
     "Verdict",
     "induced_distribution",
@@ -239,3 +243,47 @@ def verify_relaxed(
         divergences.append(0.0)  # the bonus token comes from p itself
     assert len(divergences) == n + 1
     return Verdict(num_accepted=n, next_token=token, divergences=divergences)
+
+
+# --------------------------------------------------------------------------- policy blocks
+# Each rule's block in a policy (``acceptance:``), validated strictly; ``build`` makes the rule.
+# Registered by name in ``registry.RULES``.
+
+
+class _AcceptanceBase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_divergence: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Budget on the call's running mean TV divergence; past it the call continues losslessly."""
+
+
+class TypicalAcceptance(_AcceptanceBase):
+    """Accept x if ``p(x) > min(epsilon, delta * exp(-H(p)))`` (Medusa's typical acceptance)."""
+
+    rule: Literal["typical"]
+    epsilon: float = Field(default=0.3, gt=0.0, le=1.0)
+    delta: float = Field(default=0.09, gt=0.0, le=1.0)
+
+    def build(self) -> RelaxedRule:
+        return TypicalRule(epsilon=self.epsilon, delta=self.delta)
+
+
+class TopKAcceptance(_AcceptanceBase):
+    """Accept x if it is in the target's top-k and ``p(x) >= ratio * max p``."""
+
+    rule: Literal["top_k"]
+    top_k: int = Field(default=2, ge=1, le=100)
+    ratio: float = Field(default=0.5, gt=0.0, le=1.0)
+
+    def build(self) -> RelaxedRule:
+        return TopKRule(top_k=self.top_k, ratio=self.ratio)
+
+
+class LenienceAcceptance(_AcceptanceBase):
+    """Accept x with ``min(1, p(x) / (lenience * q(x)))``; 1.0 would be lossless."""
+
+    rule: Literal["lenience"]
+    lenience: float = Field(default=0.5, gt=0.0, le=1.0)
+
+    def build(self) -> RelaxedRule:
+        return LenienceRule(lenience=self.lenience)

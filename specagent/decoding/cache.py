@@ -12,7 +12,7 @@ import copy
 import functools
 import inspect
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ __all__ = [
     "ForwardRequest",
     "ModelRunner",
     "PrefixCache",
+    "advance",
     "common_prefix_length",
     "crop_to",
     "early_exit_view",
@@ -256,6 +257,21 @@ class ForwardRequest:
 
     def run(self) -> torch.Tensor:
         return self.runner.forward(self.tokens, self.cache, self.keep)
+
+
+def advance(
+    steps: Generator[Any, torch.Tensor | None, Any], reply: torch.Tensor | None, *, inline: bool
+) -> Any:
+    """The one driver of decoding coroutines: send ``reply`` and return the next item the
+    coroutine yields, running forward requests directly on the way when ``inline`` (a single
+    sequence) or returning them to be batched with other calls' (the runtime's worker).
+    ``StopIteration`` passes through with the coroutine's value."""
+    while True:
+        item = steps.send(reply)
+        if inline and isinstance(item, ForwardRequest):
+            reply = item.run()
+            continue
+        return item
 
 
 def prefill(

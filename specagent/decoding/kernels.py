@@ -9,7 +9,7 @@ decoding them would, and speculation cannot pay. The same product written as ``(
 reaches another kernel that reads the weights once: 4.6, 4.6, 5.0 and 10.2 ms. On the whole
 Qwen2.5 1.5B target that made a 4-token verification 0.78 s instead of 2.35 s (1 token: 0.65 s).
 Elsewhere ``F.linear`` is the faster one, so nothing is assumed: ``choose_kernels`` times whole
-forwards of the model both ways at each length (the cost measurement of ``schedule.measure_costs``
+forwards of the model both ways at each length (the cost measurement of ``costs.measure_costs``
 does this) and keeps the transposed form at the lengths where it is clearly faster. Whole
 forwards, not one layer in a loop: a layer timed alone keeps its weights in the CPU's cache and
 measures arithmetic, while a real forward streams every weight from memory.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LinearPlan", "choose_kernels", "transposed_linear"]
+__all__ = ["LinearPlan", "choose_kernels", "kernel_choice_steps", "transposed_linear"]
 
 MIN_GAIN = 0.92
 """The transposed form is kept only where it takes less than this share of torch's time: a tie
@@ -98,12 +98,27 @@ def choose_kernels(
     transposed form (``time_forward(n, plan)``, seconds), keep the clearly faster. Lengths
     between two timed ones follow the timed one below. Returns the plan and each timed
     length's time under it."""
+    steps = kernel_choice_steps(time_forward, lengths)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def kernel_choice_steps(
+    time_forward: Callable[[int, LinearPlan], float], lengths: Sequence[int]
+) -> Generator[None, None, tuple[LinearPlan, dict[int, float]]]:
+    """``choose_kernels`` one timing at a time: yields after each ``time_forward`` call, so a
+    worker can interleave the measurement with the calls it serves."""
     timed = sorted(set(lengths))
     chosen: set[int] = set()
     times: dict[int, float] = {}
     for n in timed:
         standard = time_forward(n, LinearPlan())
+        yield
         flipped = time_forward(n, LinearPlan(frozenset({n})))
+        yield
         if flipped < MIN_GAIN * standard:
             chosen.add(n)
         times[n] = min(standard, flipped) if n in chosen else standard

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import ForwardRequest, ModelRunner, PrefixCache, crop_to, prefill
+from .cache import ForwardRequest, ModelRunner, PrefixCache, advance, crop_to, prefill
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, draft_steps
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
@@ -110,14 +110,8 @@ def speculative_generate(
     """``speculative_steps`` with every forward run inline: one event per step."""
     steps = speculative_steps(target, prompt_ids, **options)
     try:
-        reply: torch.Tensor | None = None
         while True:
-            item = steps.send(reply)
-            if isinstance(item, ForwardRequest):
-                reply = item.run()
-            else:
-                reply = None
-                yield item
+            yield advance(steps, None, inline=True)
     except StopIteration:
         return
     finally:

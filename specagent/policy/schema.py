@@ -6,11 +6,17 @@ parameter of another rule is an error rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..decoding.acceptance import LenienceRule, RelaxedRule, TopKRule, TypicalRule
+from ..decoding.acceptance import (
+    LenienceAcceptance,
+    RelaxedRule,
+    TopKAcceptance,
+    TypicalAcceptance,
+)
+from ..decoding.registry import DRAFTERS, RULES
 
 __all__ = [
     "AcceptanceConfig",
@@ -32,11 +38,12 @@ class _Strict(BaseModel):
 class DrafterConfig(_Strict):
     """Which drafter proposes tokens, and how many per step."""
 
-    kind: Literal["draft_model", "prompt_lookup", "early_exit", "none"] = "draft_model"
-    """``draft_model`` needs a draft model in the runtime; ``none`` is plain decoding."""
+    kind: str = "draft_model"
+    """A drafter of ``decoding.registry.DRAFTERS``: ``draft_model`` (needs a draft model in the
+    runtime), ``prompt_lookup``, ``early_exit``, or ``none`` (plain decoding)."""
     num_speculative_tokens: int = Field(default=4, ge=1, le=32)
     """k: the most draft tokens proposed per step."""
-    fallback: Literal["prompt_lookup", "early_exit", "none"] | None = None
+    fallback: str | None = None
     """For ``draft_model``: the drafter to use on a runtime that has no draft model. Without it,
     such a runtime refuses the policy when it is loaded."""
     adaptive: bool = True
@@ -57,6 +64,16 @@ class DrafterConfig(_Strict):
     max_ngram: int = Field(default=3, ge=1, le=16)
     """For ``prompt_lookup``: longest n-gram to match (tried first)."""
 
+    @field_validator("kind", "fallback")
+    @classmethod
+    def _registered(cls, kind: str | None, info: ValidationInfo) -> str | None:
+        known = list(DRAFTERS)
+        if info.field_name == "fallback":  # what a runtime without a draft model can run
+            known = [name for name in DRAFTERS if not DRAFTERS[name].needs_draft_model]
+        if kind is not None and kind not in known:
+            raise ValueError(f"unknown drafter {kind!r}; expected one of {known}")
+        return kind
+
     @model_validator(mode="after")
     def _ngrams(self) -> DrafterConfig:
         if self.min_ngram > self.max_ngram:
@@ -69,46 +86,11 @@ class DrafterConfig(_Strict):
         return self
 
 
-class _AcceptanceBase(_Strict):
-    max_divergence: float | None = Field(default=None, gt=0.0, le=1.0)
-    """Budget on the call's running mean TV divergence; past it the call continues losslessly."""
-
-
-class TypicalAcceptance(_AcceptanceBase):
-    """Accept x if ``p(x) > min(epsilon, delta * exp(-H(p)))`` (Medusa's typical acceptance)."""
-
-    rule: Literal["typical"]
-    epsilon: float = Field(default=0.3, gt=0.0, le=1.0)
-    delta: float = Field(default=0.09, gt=0.0, le=1.0)
-
-    def build(self) -> RelaxedRule:
-        return TypicalRule(epsilon=self.epsilon, delta=self.delta)
-
-
-class TopKAcceptance(_AcceptanceBase):
-    """Accept x if it is in the target's top-k and ``p(x) >= ratio * max p``."""
-
-    rule: Literal["top_k"]
-    top_k: int = Field(default=2, ge=1, le=100)
-    ratio: float = Field(default=0.5, gt=0.0, le=1.0)
-
-    def build(self) -> RelaxedRule:
-        return TopKRule(top_k=self.top_k, ratio=self.ratio)
-
-
-class LenienceAcceptance(_AcceptanceBase):
-    """Accept x with ``min(1, p(x) / (lenience * q(x)))``; 1.0 would be lossless."""
-
-    rule: Literal["lenience"]
-    lenience: float = Field(default=0.5, gt=0.0, le=1.0)
-
-    def build(self) -> RelaxedRule:
-        return LenienceRule(lenience=self.lenience)
-
-
 AcceptanceConfig = Annotated[
-    TypicalAcceptance | TopKAcceptance | LenienceAcceptance, Field(discriminator="rule")
+    Union[tuple(kind.config for kind in RULES.values())],  # type: ignore[valid-type]  # noqa: UP007
+    Field(discriminator="rule"),
 ]
+"""The relaxed rules of ``decoding.registry.RULES``, told apart by their ``rule`` field."""
 
 
 class SamplingConfig(_Strict):

@@ -9,11 +9,12 @@ import torch.nn.functional as F
 
 from specagent.decoding import kernels
 from specagent.decoding.cache import ModelRunner
-from specagent.decoding.drafters import DraftModelDrafter
+from specagent.decoding.costs import measure_costs
+from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.kernels import LinearPlan, choose_kernels, transposed_linear
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams
-from specagent.decoding.schedule import FixedSchedule, measure_costs
+from specagent.decoding.schedule import FixedSchedule
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (3, 16), (2, 5, 16)])

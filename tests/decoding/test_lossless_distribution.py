@@ -14,10 +14,12 @@ from scipy.stats import chisquare
 
 from specagent.decoding import acceptance
 from specagent.decoding.cache import ModelRunner
-from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
+from specagent.decoding.costs import CostModel
+from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
-from specagent.decoding.schedule import CostModel, FixedSchedule
+from specagent.decoding.schedule import FixedSchedule
 
 VOCAB = 12
 PROMPT = [3, 7, 3, 7, 3]

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from specagent.decoding.cache import ModelRunner
-from specagent.decoding.drafters import DraftModelDrafter
+from specagent.decoding.costs import CostModel, interpolate_costs
+from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
-from specagent.decoding.schedule import AdaptiveSchedule, CostModel, interpolate_costs
+from specagent.decoding.schedule import AdaptiveSchedule
 
 # Shaped like a 2-core CPU with MKL: 1-3 rows nearly free, a jump at 4, 16 rows cheaper than 12.
 CPU_LIKE = CostModel(

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
 from typing import Any, Literal
 
-import anyio
-from anyio.from_thread import start_blocking_portal
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import LanguageModelInput
@@ -43,9 +42,10 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from opentelemetry import context as otel_context
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from specagent import GenerationError, RuntimeOverloadedError, SpecRuntime
-from specagent.chat import TOOL_CALL_MARKERS, parse_tool_calls
-from specagent.grammar import Constraint
+from specagent import IncompleteOutputError, SpecRuntime
+from specagent.backend import Backend
+from specagent.calls import CallChunk, CallSpec, run_call, tool_choice_name
+from specagent.runtime.portal import iterate_sync
 
 __all__ = ["ChatSpecAgent"]
 
@@ -142,8 +142,9 @@ class ChatSpecAgent(BaseChatModel):
     def _needs_a_model(self) -> ChatSpecAgent:
         if self.runtime is None and self.target is None:
             raise ValueError("ChatSpecAgent needs runtime=SpecRuntime(...) or target='<path>'")
-        if self.runtime is not None and not isinstance(self.runtime, SpecRuntime):
-            raise ValueError(f"runtime must be a SpecRuntime, got {type(self.runtime).__name__}")
+        if self.runtime is not None and not isinstance(self.runtime, Backend):
+            msg = f"runtime must be a SpecRuntime (or a Backend), got {type(self.runtime).__name__}"
+            raise ValueError(msg)
         if self.max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         return self
@@ -221,20 +222,11 @@ class ChatSpecAgent(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._call_spec(messages, stop, run_manager, kwargs)
-        call["parent_context"] = otel_context.get_current()
-        with start_blocking_portal() as portal:
-            chunks = self._chunks(call)
-            try:
-                while True:
-                    try:
-                        chunk = portal.call(chunks.__anext__)
-                    except StopAsyncIteration:
-                        return
-                    if run_manager is not None and chunk.text:
-                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-                    yield chunk
-            finally:
-                portal.call(chunks.aclose)  # type: ignore[attr-defined]
+        options = {"parent_context": otel_context.get_current()}
+        for chunk in iterate_sync(lambda: self._chunks(call, options)):
+            if run_manager is not None and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
     # ------------------------------------------------------------------ tools and structure
 
@@ -248,15 +240,8 @@ class ChatSpecAgent(BaseChatModel):
         """Bind tools (anything LangChain converts to an OpenAI tool). ``tool_choice``: "auto"
         (default), "none", "any"/"required"/True (some tool must be called), or a tool name."""
         formatted = [convert_to_openai_tool(tool) for tool in tools]
-        names = [t["function"]["name"] for t in formatted]
-        if isinstance(tool_choice, dict):
-            tool_choice = tool_choice.get("function", {}).get("name") or tool_choice.get("name")
-        if tool_choice is True:
-            tool_choice = "any"
-        keywords = {"auto", "none", "any", "required"}
-        if isinstance(tool_choice, str) and tool_choice not in keywords | set(names):
-            msg = f"tool_choice {tool_choice!r} is not one of the bound tools: {names}"
-            raise ValueError(msg)
+        # Checked now, so a wrong name fails where it was written, not at the first call.
+        tool_choice = tool_choice_name(tool_choice, [t["function"]["name"] for t in formatted])
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(
@@ -319,7 +304,7 @@ class ChatSpecAgent(BaseChatModel):
 
     # ------------------------------------------------------------------ the one async core
 
-    def _runtime(self) -> SpecRuntime:
+    def _runtime(self) -> Backend:
         if self.runtime is not None:
             return self.runtime  # type: ignore[no-any-return]
         with self._lock:
@@ -348,109 +333,57 @@ class ChatSpecAgent(BaseChatModel):
         stop: list[str] | None,
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
-    ) -> dict[str, Any]:
+    ) -> CallSpec:
         """Everything a call needs, translated from LangChain's arguments."""
         metadata = dict(getattr(run_manager, "metadata", None) or {})
-        tags = list(getattr(run_manager, "tags", None) or [])
-        policy = kwargs.pop("policy", None) or metadata.get(POLICY_METADATA_KEY) or None
-        if policy is None and not tags:
-            policy = self.policy
-        elif policy is None and self.policy is not None:
-            # A default policy on the model applies unless the run's tags route elsewhere.
-            routed = self._runtime().policies.route(tags)
-            policy = routed.name if routed.match.tags else self.policy
-        tools = kwargs.pop("tools", None)
-        tool_choice = kwargs.pop("tool_choice", None)
-        response_format = kwargs.pop("response_format", None)
         kwargs.pop("ls_structured_output_format", None)
         kwargs.pop("model", None)
         stops = list(stop or []) + list(kwargs.pop("stop", None) or []) + list(self.stop or [])
-        options = {
-            "temperature": kwargs.pop("temperature", self.temperature),
-            "top_p": kwargs.pop("top_p", self.top_p),
-            "max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
-            "seed": kwargs.pop("seed", self.seed),
-            "timeout": kwargs.pop("timeout", self.timeout),
-        }
+        call = CallSpec.build(
+            [_to_chat_message(m) for m in messages],
+            backend=self._runtime(),
+            policy=kwargs.pop("policy", None) or metadata.get(POLICY_METADATA_KEY) or None,
+            tags=list(getattr(run_manager, "tags", None) or []),
+            default_policy=self.policy,
+            tools=kwargs.pop("tools", None),
+            tool_choice=kwargs.pop("tool_choice", None),
+            response_format=kwargs.pop("response_format", None),
+            stop=stops,
+            temperature=kwargs.pop("temperature", self.temperature),
+            top_p=kwargs.pop("top_p", self.top_p),
+            max_tokens=kwargs.pop("max_tokens", self.max_tokens),
+            seed=kwargs.pop("seed", self.seed),
+            timeout=kwargs.pop("timeout", self.timeout),
+        )
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
-        if tool_choice == "none":
-            tools = None
-        constraint = _constraint_for(tools, tool_choice, response_format)
-        return {
-            "prompt": [_to_chat_message(m) for m in messages],
-            "policy": policy,
-            "tags": tags,
-            "stop": sorted(set(stops)) or None,
-            "tools": tools,
-            "constraint": constraint,
-            "tool_names": [t["function"]["name"] for t in tools] if tools else None,
-            "forced_tool": constraint is not None and tools is not None,
-            **{k: v for k, v in options.items() if v is not None},
-        }
+        return call
 
-    async def _chunks(self, call: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
-        """Run one call on the runtime and translate its chunks. Retries happen only before
-        any output was produced, so a stream never repeats itself."""
-        call = dict(call)
-        tool_names = call.pop("tool_names")
-        forced_tool = call.pop("forced_tool")
-        prompt = call.pop("prompt")
-        watch_for_tools = tool_names is not None
-        runtime = self._runtime()
-        attempt = 0
-        while True:
-            started = False
-            held: list[str] = []
-            holding = forced_tool
-            try:
-                async for chunk in runtime.stream(prompt, **call):
-                    if chunk.result is None:
-                        text = chunk.text
-                        if not text:
-                            continue
-                        started = True
-                        if watch_for_tools and not holding:
-                            holding = _may_start_tool_call("".join(held) + text)
-                        if holding:
-                            held.append(text)
-                            continue
-                        yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-                        continue
-                    if (
-                        call.get("constraint") is not None
-                        and chunk.result.finish_reason == "length"
-                    ):
-                        msg = (
-                            "the constrained output did not complete within "
-                            f"{chunk.result.usage.output_tokens} tokens; raise max_tokens"
-                        )
-                        raise OutputParserException(msg, llm_output=chunk.result.text)
-                    yield self._final_chunk(chunk.result, chunk.text, held, tool_names)
-                    return
-            except (RuntimeOverloadedError, GenerationError):
-                attempt += 1
-                if started or attempt > self.max_retries:
-                    raise
-                await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+    async def _chunks(
+        self, call: CallSpec, options: dict[str, Any] | None = None
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """Run one call (``specagent.calls.run_call``) and translate its chunks."""
+        if options:
+            call = dataclasses.replace(call, options={**call.options, **options})
+        try:
+            async for chunk in run_call(self._runtime(), call, self.max_retries):
+                if chunk.result is None:
+                    yield ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+                else:
+                    yield self._final_chunk(chunk)
+        except IncompleteOutputError as exc:
+            raise OutputParserException(str(exc), llm_output=exc.output) from exc
 
-    def _final_chunk(
-        self, result: Any, tail: str, held: list[str], tool_names: list[str] | None
-    ) -> ChatGenerationChunk:
+    def _final_chunk(self, chunk: CallChunk) -> ChatGenerationChunk:
+        result = chunk.result
+        assert result is not None
         stats = result.stats
-        content = "".join(held) + tail
-        tool_call_chunks = []
-        if tool_names is not None and content:
-            parsed = parse_tool_calls(content, tool_names)
-            if parsed.tool_calls:
-                content = parsed.content
-                tool_call_chunks = [
-                    tool_call_chunk(name=c.name, args=_json(c.arguments), id=c.id, index=i)
-                    for i, c in enumerate(parsed.tool_calls)
-                ]
-        finish_reason = "tool_calls" if tool_call_chunks else result.finish_reason
+        tool_call_chunks = [
+            tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+            for i, c in enumerate(chunk.tool_calls)
+        ]
         message = AIMessageChunk(
-            content=content,
+            content=chunk.content,
             tool_call_chunks=tool_call_chunks,
             usage_metadata=UsageMetadata(
                 input_tokens=result.usage.input_tokens,
@@ -460,7 +393,7 @@ class ChatSpecAgent(BaseChatModel):
             response_metadata={
                 "model_name": self._model_name(),
                 "model_provider": "specagent",
-                "finish_reason": finish_reason,
+                "finish_reason": chunk.finish_reason,
                 "specagent": {
                     "policy": stats.policy,
                     "mode": stats.mode,
@@ -473,7 +406,7 @@ class ChatSpecAgent(BaseChatModel):
         return ChatGenerationChunk(
             message=message,
             generation_info={
-                "finish_reason": finish_reason,
+                "finish_reason": chunk.finish_reason,
                 "token_usage": {
                     "prompt_tokens": result.usage.input_tokens,
                     "completion_tokens": result.usage.output_tokens,
@@ -510,40 +443,6 @@ def _json_parser(schema: Any, is_pydantic: bool) -> Runnable[Any, Any]:
     if is_pydantic:
         return PydanticOutputParser(pydantic_object=schema)
     return JsonOutputParser()
-
-
-def _may_start_tool_call(text: str) -> bool:
-    """Whether streamed text may be (the start of) a tool call, so it is held back until the
-    end of the call rather than shown as content."""
-    stripped = text.lstrip()
-    if not stripped:
-        return False
-    if stripped[0] in "{[`":
-        return True
-    return any(marker in text or marker.startswith(stripped) for marker in TOOL_CALL_MARKERS)
-
-
-def _constraint_for(
-    tools: list[dict[str, Any]] | None,
-    tool_choice: Any,
-    response_format: Mapping[str, Any] | None,
-) -> Constraint | None:
-    if response_format is not None:
-        kind = response_format.get("type")
-        if kind == "json_object":
-            return Constraint.json_object()
-        if kind == "json_schema":
-            spec = response_format.get("json_schema") or {}
-            return Constraint.json_schema(spec.get("schema", spec), strict=True)
-        raise ValueError(f"response_format type must be json_object or json_schema, got {kind!r}")
-    if not tools or tool_choice in (None, "auto", "none"):
-        return None
-    if tool_choice in ("any", "required"):
-        return Constraint.tool_call(tools)
-    chosen = [t for t in tools if t["function"]["name"] == tool_choice]
-    if not chosen:
-        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool")
-    return Constraint.tool_call(chosen)
 
 
 def _content_text(content: Any) -> str:
@@ -592,7 +491,3 @@ def _to_chat_message(message: BaseMessage) -> dict[str, Any]:
     if isinstance(message, ChatMessage):
         return {"role": message.role, "content": text}
     raise ValueError(f"unsupported message type {type(message).__name__}")
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value)

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import SpecAgentError
+from ..decoding.registry import RULES
+from ..errors import SpecAgentError
 
 __all__ = ["main"]
 
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     evaluate.add_argument(
         "--rule",
         action="append",
-        choices=["typical", "top_k", "lenience"],
+        choices=list(RULES),
         help="also evaluate each policy with this rule at its default parameters (repeatable)",
     )
     _eval_args(evaluate)
@@ -174,7 +175,7 @@ def _dispatch(args: argparse.Namespace) -> int | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .runtime import SpecRuntime
+    from ..runtime import SpecRuntime
 
     runtime = SpecRuntime.from_pretrained(args.target, draft=args.draft, policies=args.policies)
     options = {
@@ -199,8 +200,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _model_info(args: argparse.Namespace) -> int:
-    from .machine import machine_info
-    from .runtime import SpecRuntime
+    from ..machine import machine_info
+    from ..runtime import SpecRuntime
 
     runtime = SpecRuntime.from_pretrained(args.name, draft=args.draft, dtype=args.dtype)
     print(json.dumps({"machine": machine_info(), "precision": runtime.precision}, indent=1))
@@ -211,9 +212,9 @@ def _model_info(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench import bench_policies, run_bench, save
-    from .catalog import PAIRS
-    from .runtime import SpecRuntime
+    from ..bench import bench_policies, run_bench, save
+    from ..catalog import PAIRS
+    from ..runtime import SpecRuntime
 
     target, draft = PAIRS[args.pair] if args.pair else (args.target, args.draft)
     # No prefix reuse here: every method pays its own prefill, as the baselines do
@@ -259,7 +260,7 @@ def _eval_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_named_policy(ref: str, directory: str) -> Any:
-    from .policy import load_policies, load_policy
+    from ..policy import load_policies, load_policy
 
     if ref.endswith((".yaml", ".yml")) or Path(ref).is_file():
         return load_policy(ref)
@@ -268,9 +269,9 @@ def _load_named_policy(ref: str, directory: str) -> Any:
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], str]:
     """The runtime (no policies of its own), the prompts and the prompt set's name."""
-    from .catalog import PAIRS
-    from .evaluation import default_prompt_set, load_prompt_set
-    from .runtime import SpecRuntime
+    from ..catalog import PAIRS
+    from ..evaluation import default_prompt_set, load_prompt_set
+    from ..runtime import SpecRuntime
 
     prompts = load_prompt_set(args.prompts)
     if args.limit is not None:
@@ -294,21 +295,15 @@ def _progress(total: int) -> Any:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluation import evaluate
-    from .policy.schema import LenienceAcceptance, TopKAcceptance, TypicalAcceptance
+    from ..evaluation import evaluate
 
-    defaults = {
-        "typical": TypicalAcceptance,
-        "top_k": TopKAcceptance,
-        "lenience": LenienceAcceptance,
-    }
     settings = []
     for ref in args.policy:
         policy = _load_named_policy(ref, args.policies)
         settings.append(policy)
         for rule in args.rule or ():
             guard = policy.acceptance.max_divergence if policy.acceptance else None
-            acceptance = defaults[rule](rule=rule, max_divergence=guard)
+            acceptance = RULES[rule].config(rule=rule, max_divergence=guard)
             if policy.acceptance is None or acceptance != policy.acceptance:
                 variant = {**policy.model_dump(), "mode": "relaxed"}
                 variant["acceptance"] = acceptance.model_dump()
@@ -336,8 +331,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from .errors import EvaluationError
-    from .tuning import Budget, search_space, tune
+    from ..errors import EvaluationError
+    from ..tuning import Budget, search_space, tune
 
     policy = _load_named_policy(args.policy, args.policies)
     budget = Budget(max_divergence=args.max_divergence, min_similarity=args.min_similarity)

@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any
 
-from .catalog import PAIRS
-from .errors import SpecAgentError
+from ..catalog import PAIRS
+from ..errors import SpecAgentError
 
 __all__ = ["run_demo"]
 
@@ -45,7 +45,7 @@ def run_demo(pair: str | None = None, policies: str = "policies") -> int:
         raise SpecAgentError(
             'the demo needs the LangChain extra: pip install "specagent[langchain]"'
         ) from exc
-    from .runtime import SpecRuntime
+    from ..runtime import SpecRuntime
 
     target, draft = PAIRS[pair] if pair else ("smollm2-135m-instruct", None)
     print(

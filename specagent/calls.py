@@ -1,0 +1,242 @@
+"""OpenAI-shaped calls, for every front door (the LangChain adapter, the HTTP server, scripts).
+
+``CallSpec.build`` turns the fields of an OpenAI chat completion (messages, tools,
+tool_choice, response_format, stop, seed, max_tokens, temperature, top_p) plus specagent's
+policy name and tags into what a backend runs: the prompt, the grammar constraint that enforces
+a forced tool call or a response format, and the policy by precedence (an explicit name, then the
+call's tags, then the front door's default). ``run_call`` runs it on a backend with retries
+before the first token, holds back streamed text that may be a tool call, and parses tool calls
+from the finished output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .backend import Backend
+from .chat import TOOL_CALL_MARKERS, ToolCall, parse_tool_calls
+from .errors import (
+    GenerationError,
+    IncompleteOutputError,
+    InvalidRequestError,
+    RuntimeOverloadedError,
+)
+from .grammar import Constraint
+from .results import GenerationResult
+
+__all__ = ["CallChunk", "CallSpec", "constraint_for", "run_call", "tool_choice_name"]
+
+TOOL_CHOICE_KEYWORDS = frozenset({"auto", "none", "any", "required"})
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One validated call: what to send to ``Backend.stream`` and how to read its output."""
+
+    messages: list[dict[str, Any]]
+    """Chat messages as a Hugging Face chat template takes them."""
+    policy: str | None = None
+    tags: tuple[str, ...] = ()
+    tools: list[dict[str, Any]] | None = None
+    """OpenAI function tools offered to the model (None when ``tool_choice`` is "none")."""
+    constraint: Constraint | None = None
+    forced_tool: bool = False
+    """The grammar forces a tool call: the whole output is held back and parsed."""
+    stop: tuple[str, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """``temperature``, ``top_p``, ``max_new_tokens``, ``seed``, ``timeout`` when given."""
+
+    @property
+    def tool_names(self) -> list[str] | None:
+        return [t["function"]["name"] for t in self.tools] if self.tools else None
+
+    @classmethod
+    def build(
+        cls,
+        messages: list[dict[str, Any]],
+        *,
+        backend: Backend | None = None,
+        policy: str | None = None,
+        tags: Sequence[str] = (),
+        default_policy: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Mapping[str, Any] | None = None,
+        stop: Sequence[str] | str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+    ) -> CallSpec:
+        """Validate and translate. The policy: ``policy`` if named; else ``default_policy``
+        unless the call's ``tags`` route to a policy (``backend.policies.route``); else the
+        backend resolves the tags itself."""
+        if policy is None and default_policy is not None:
+            routed = backend.policies.route(tags) if tags and backend is not None else None
+            policy = routed.name if routed is not None and routed.match.tags else default_policy
+        offered = [dict(t) for t in tools] if tools else None
+        names = [t["function"]["name"] for t in offered] if offered else []
+        choice = tool_choice_name(tool_choice, names)
+        if choice == "none":
+            offered = None
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        options = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_new_tokens": max_tokens,
+            "seed": seed,
+            "timeout": timeout,
+        }
+        constraint = constraint_for(offered, choice, response_format)
+        return cls(
+            messages=list(messages),
+            policy=policy,
+            tags=tuple(tags),
+            tools=offered,
+            constraint=constraint,
+            forced_tool=constraint is not None and offered is not None,
+            stop=tuple(sorted(set(stops))),
+            options={k: v for k, v in options.items() if v is not None},
+        )
+
+    def stream_kwargs(self) -> dict[str, Any]:
+        """Keywords for ``Backend.stream`` (the prompt is ``messages``)."""
+        return {
+            "policy": self.policy,
+            "tags": list(self.tags),
+            "stop": list(self.stop) or None,
+            "tools": self.tools,
+            "constraint": self.constraint,
+            **self.options,
+        }
+
+
+def tool_choice_name(tool_choice: Any, names: Sequence[str]) -> str | None:
+    """OpenAI's and LangChain's spellings of ``tool_choice`` as one: None/"auto", "none",
+    "any" (for "any", "required" and True), or a tool's name (from a name or a
+    ``{"type": "function", "function": {"name": ...}}`` object)."""
+    if isinstance(tool_choice, Mapping):
+        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    if tool_choice is True or tool_choice == "required":
+        return "any"
+    if tool_choice is None or tool_choice is False:
+        return None
+    if not isinstance(tool_choice, str) or tool_choice not in TOOL_CHOICE_KEYWORDS | set(names):
+        msg = (
+            f"tool_choice {tool_choice!r} is not one of the bound tools: {list(names)} "
+            "(nor 'auto', 'none', 'required')"
+        )
+        raise InvalidRequestError(msg)
+    return tool_choice
+
+
+def constraint_for(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | None,
+    response_format: Mapping[str, Any] | None,
+) -> Constraint | None:
+    """The grammar a call's output must follow: its response format, or a call of the tools
+    ``tool_choice`` requires; None when the output is free."""
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return Constraint.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            return Constraint.json_schema(spec.get("schema", spec), strict=True)
+        if kind == "text":
+            return None
+        msg = f"response_format type must be text, json_object or json_schema, got {kind!r}"
+        raise InvalidRequestError(msg)
+    if not tools or tool_choice in (None, "auto", "none"):
+        return None
+    if tool_choice == "any":
+        return Constraint.tool_call(tools)
+    chosen = [t for t in tools if t["function"]["name"] == tool_choice]
+    return Constraint.tool_call(chosen)
+
+
+@dataclass(frozen=True)
+class CallChunk:
+    """A piece of a call's output: text to show now, or (last) the result with its content and
+    parsed tool calls."""
+
+    text: str = ""
+    result: GenerationResult | None = None
+    content: str = ""
+    """On the last chunk: the whole output without its tool calls."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+    """On the last chunk: "tool_calls" when the output called tools, else the result's."""
+
+
+async def run_call(
+    backend: Backend, call: CallSpec, max_retries: int = 2
+) -> AsyncIterator[CallChunk]:
+    """Run ``call`` on ``backend``: text chunks as they are safe to show, then the last chunk.
+
+    Retries (on overload or a failed decoding step) happen only before any output, so a stream
+    never repeats itself. Text that may start a tool call is held back to the end; a constrained
+    output that runs out of tokens raises ``IncompleteOutputError`` rather than returning
+    JSON that does not parse."""
+    attempt = 0
+    while True:
+        started = False
+        held: list[str] = []
+        holding = call.forced_tool
+        try:
+            async for chunk in backend.stream(call.messages, **call.stream_kwargs()):
+                if chunk.result is None:
+                    if not chunk.text:
+                        continue
+                    started = True
+                    if call.tools is not None and not holding:
+                        holding = may_start_tool_call("".join(held) + chunk.text)
+                    if holding:
+                        held.append(chunk.text)
+                    else:
+                        yield CallChunk(text=chunk.text)
+                    continue
+                yield _last_chunk(call, chunk.result, "".join(held) + chunk.text)
+                return
+        except (RuntimeOverloadedError, GenerationError) as exc:
+            attempt += 1
+            if started or attempt > max_retries or isinstance(exc, IncompleteOutputError):
+                raise
+            await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+
+
+def _last_chunk(call: CallSpec, result: GenerationResult, content: str) -> CallChunk:
+    if call.constraint is not None and result.finish_reason == "length":
+        msg = (
+            f"the constrained output did not complete within {result.usage.output_tokens} "
+            "tokens; raise max_tokens"
+        )
+        raise IncompleteOutputError(msg, output=result.text)
+    tool_calls: tuple[ToolCall, ...] = ()
+    if call.tools is not None and content:
+        parsed = parse_tool_calls(content, call.tool_names)
+        if parsed.tool_calls:
+            content, tool_calls = parsed.content, tuple(parsed.tool_calls)
+    return CallChunk(
+        result=result,
+        content=content,
+        tool_calls=tool_calls,
+        finish_reason="tool_calls" if tool_calls else result.finish_reason,
+    )
+
+
+def may_start_tool_call(text: str) -> bool:
+    """Whether streamed text may be (the start of) a tool call, so it is held back until the
+    end of the call rather than shown as content."""
+    stripped = text.lstrip()
+    if not stripped:
+        return False
+    if stripped[0] in "{[`":
+        return True
+    return any(marker in text or marker.startswith(stripped) for marker in TOOL_CALL_MARKERS)

@@ -1,0 +1,389 @@
+"""Step costs: what a draft forward and a verification cost on the machine at hand, and the one
+rule that turns costs and acceptance into a draft length.
+
+Costs are relative to one target forward over a single new token (``CostModel``). They are
+measured, never assumed: the same model pair verifies 4 tokens for the price of 1 on one 2-core
+CPU and for the price of 3 on the next (``../MEASUREMENTS.md``). ``measure_costs`` times whole
+forwards at the lengths a step can take (choosing each length's linear kernels on the way,
+``kernels.choose_kernels``); ``CostBook`` keeps a runtime's curves, loads and stores them per
+machine, and measures what is missing a slice at a time so that a worker can serve calls (with
+``prior_costs``) while it measures.
+
+``most_per_cost`` is where every length decision ends: the schedule's k, a draft model's planned
+draft length and the length of its lookup guesses all maximise expected tokens per unit of cost.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .cache import ModelRunner, crop_to
+from .kernels import LinearPlan, kernel_choice_steps
+
+__all__ = [
+    "MEASURED_LENGTHS",
+    "PREFILL_LENGTHS",
+    "CostBook",
+    "CostModel",
+    "expected_tokens",
+    "forward_timer",
+    "interpolate_costs",
+    "measure_costs",
+    "measure_steps",
+    "most_per_cost",
+    "prior_costs",
+]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step costs relative to one target forward over a single new token."""
+
+    draft_step: float = 0.0
+    """Cost of one draft forward (one draft token)."""
+    verify: tuple[float, ...] = ()
+    """``verify[n - 1]``: cost of one target forward over n new tokens. Missing entries grow
+    linearly from the last known one (a pessimistic guess)."""
+
+    def verify_cost(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        if n <= len(self.verify):
+            return self.verify[n - 1]
+        if not self.verify:
+            return 1.0 + 0.1 * (n - 1)
+        last = self.verify[-1]
+        slope = (last - 1.0) / max(len(self.verify) - 1, 1) if len(self.verify) > 1 else 0.1
+        return last + max(slope, 0.05) * (n - len(self.verify))
+
+    draft: tuple[float, ...] = ()
+    """``draft[n - 1]``: cost of one draft forward over n tokens (``draft[0] == draft_step``);
+    the draft checks lookup guesses in such wider forwards. Empty when not measured."""
+
+    def draft_cost(self, n: int) -> float:
+        """Cost of a draft forward over n tokens; past the measured curve, a pessimistic guess
+        (each extra token a quarter of a step)."""
+        if n <= len(self.draft):
+            return self.draft[n - 1]
+        last = self.draft[-1] if self.draft else self.draft_step
+        return last + 0.25 * self.draft_step * (n - max(len(self.draft), 1))
+
+    def step_cost(self, k: int) -> float:
+        return k * self.draft_step + self.verify_cost(k + 1)
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens per verification with per-token acceptance a and k draft tokens."""
+    a = min(max(acceptance, 0.0), 0.999999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def most_per_cost(gains: Sequence[float], costs: Sequence[float], margin: float = 1.0) -> int:
+    """The index i with the most ``gains[i] / costs[i]`` (expected tokens per unit of cost);
+    a later index must beat the best so far by the factor ``margin`` (ties keep the shorter).
+
+    The whole range is searched, not until the rate first falls: measured verify curves are not
+    monotone (on a 2-core CPU, 16 rows can cost less than 10), so one more token can be a loss
+    while six more are a gain."""
+    best, best_rate = 0, gains[0] / max(costs[0], 1e-9)
+    for i in range(1, len(gains)):
+        rate = gains[i] / max(costs[i], 1e-9)
+        if rate > best_rate * margin:
+            best, best_rate = i, rate
+    return best
+
+
+def prior_costs(target: torch.nn.Module, draft: torch.nn.Module | None) -> CostModel:
+    """Costs to plan with until the measurement is done: a single-token forward of a model that
+    streams its weights from memory costs about its weight bytes, so a draft step costs the
+    ratio of the two models' bytes; verification grows a tenth of a step per extra token (the
+    pessimistic default of ``CostModel``)."""
+    if draft is None:
+        return CostModel()
+    ratio = _weight_bytes(draft) / max(_weight_bytes(target), 1)
+    return CostModel(draft_step=round(min(max(ratio, 0.01), 1.0), 3))
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- measuring
+
+MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+"""Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
+grid, and always the longest asked for); the ones between are interpolated."""
+PREFILL_LENGTHS = (48, 96, 192)
+"""Longer forwards, timed once each way for the kernel choice only: prompt prefills (and the
+draft's catch-up after plain steps) run through the same linear layers. Past the last one,
+torch's kernels."""
+
+Steps = Generator[None, None, Any]
+
+
+def measure_costs(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    max_tokens: int,
+    *,
+    context_tokens: int = 32,
+    repeats: int = 2,
+    draft_tokens: int = 1,
+) -> CostModel:
+    """Measure the cost curve once: target forwards over 1..max_tokens new tokens, and draft
+    forwards over 1..draft_tokens, relative to a single-token target forward (best of
+    ``repeats`` after a warm-up).
+
+    Each length (and the prefill lengths of ``PREFILL_LENGTHS``) is timed with torch's linear
+    kernels and with the transposed form of ``kernels.choose_kernels``; the faster is kept, and
+    each runner is left with the kernels its costs were measured under (``ModelRunner.kernels``).
+    With a draft and ``max_tokens`` 1, only the target's unit is timed, with its kernels as
+    they are.
+
+    Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
+    best k on a GPU. The curve is kept as measured, even where it falls: matrix libraries switch
+    kernels with the row count (with MKL on 2 cores, 4 to 12 rows cost up to twice as much per
+    row as 16), and a curve forced to rise would hide the long drafts that pay. Lengths between
+    the measured ones (``MEASURED_LENGTHS``) are interpolated."""
+    steps = measure_steps(
+        target,
+        draft,
+        max_tokens,
+        context_tokens=context_tokens,
+        repeats=repeats,
+        draft_tokens=draft_tokens,
+    )
+    return _finish(steps)  # type: ignore[no-any-return]
+
+
+def measure_steps(
+    target: ModelRunner,
+    draft: ModelRunner | None,
+    max_tokens: int,
+    *,
+    context_tokens: int = 32,
+    repeats: int = 2,
+    draft_tokens: int = 1,
+) -> Generator[None, None, CostModel]:
+    """``measure_costs`` one timing at a time (it yields after each), returning the model."""
+
+    def curve(runner: ModelRunner, longest: int) -> Generator[None, None, dict[int, float]]:
+        lengths = {n for n in MEASURED_LENGTHS if n < longest} | {1, longest}
+        timer = forward_timer(runner, context_tokens=context_tokens, repeats=repeats)
+        prefill_timer = forward_timer(runner, context_tokens=context_tokens, repeats=1, keep=1)
+
+        def time_forward(n: int, plan: LinearPlan) -> float:
+            return timer(n, plan) if n in lengths else prefill_timer(n, plan)
+
+        prefills = [n for n in PREFILL_LENGTHS if n > longest]
+        plan, seconds = yield from kernel_choice_steps(time_forward, sorted(lengths) + prefills)
+        runner.kernels = plan
+        return {n: t for n, t in seconds.items() if n in lengths}
+
+    if draft is not None and max_tokens <= 1:
+        # Only the unit is wanted: the target keeps the kernels an earlier measurement chose.
+        verify_seconds = {1: forward_timer(target, repeats=repeats)(1, target.kernels)}
+    else:
+        verify_seconds = yield from curve(target, max(max_tokens, 1))
+    unit = verify_seconds[1]
+    verify = interpolate_costs({n: t / unit for n, t in verify_seconds.items()}, max(max_tokens, 1))
+    if draft is None:
+        return CostModel(verify=tuple(round(v, 2) for v in verify))
+    draft_seconds = yield from curve(draft, max(draft_tokens, 1))
+    drafts = [t / unit for t in interpolate_costs(draft_seconds, max(draft_tokens, 1))]
+    return CostModel(
+        draft_step=round(drafts[0], 2),
+        verify=tuple(round(v, 2) for v in verify),
+        draft=tuple(round(v, 2) for v in drafts),
+    )
+
+
+def forward_timer(
+    runner: ModelRunner, *, context_tokens: int = 32, repeats: int = 2, keep: int | None = None
+) -> Callable[[int, LinearPlan], float]:
+    """``time(n, plan)``: seconds of one forward of ``runner`` over n new tokens after
+    ``context_tokens`` cached ones, with the linear kernels of ``plan`` (best of ``repeats``;
+    the first time a length is timed, after one more run that warms kernels and allocator).
+    ``keep``: logits of the last positions only, as a prefill asks (None: all, as a
+    verification)."""
+    vocab = runner.vocab_size
+    context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
+    cache = runner.new_cache()
+    runner.forward(context, cache, keep=1)
+    warmed: set[int] = set()
+
+    def time_forward(n: int, plan: LinearPlan) -> float:
+        tokens = [context[i % context_tokens] for i in range(n)]
+        before, runner.kernels = runner.kernels, plan
+        try:
+            best = math.inf
+            runs = repeats if n in warmed else repeats + 1
+            warmed.add(n)
+            for _ in range(runs):
+                start = time.perf_counter()
+                logits = runner.forward(tokens, cache, keep)
+                float(logits[-1, 0])  # synchronise with the device before reading the clock
+                best = min(best, time.perf_counter() - start)
+                crop_to(cache, context_tokens)
+            return best
+        finally:
+            runner.kernels = before
+
+    return time_forward
+
+
+def interpolate_costs(measured: dict[int, float], max_tokens: int) -> list[float]:
+    """Costs for 1..max_tokens tokens from costs measured at some lengths (1 among them):
+    linear between neighbours; no forward is taken to cost less than a single-token one."""
+    known = sorted(measured)
+    floor = measured[1]
+    out = []
+    for n in range(1, max_tokens + 1):
+        if n in measured:
+            out.append(max(floor, measured[n]))
+            continue
+        lower = max(m for m in known if m < n)
+        upper = min((m for m in known if m > n), default=None)
+        if upper is None:
+            out.append(max(floor, measured[lower]))
+            continue
+        w = (n - lower) / (upper - lower)
+        out.append(max(floor, (1 - w) * measured[lower] + w * measured[upper]))
+    return out
+
+
+def _finish(steps: Steps) -> Any:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+# --------------------------------------------------------------------------- the book
+
+
+class CurveStore(Protocol):
+    """Where measured curves outlive the process (``specagent.machine.ProbeStore``)."""
+
+    def get(self, key: str) -> Any: ...
+
+    def put(self, key: str, value: Any) -> None: ...
+
+
+COSTS_VERSION = 2
+"""Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused."""
+
+
+class CostBook:
+    """The step costs one runtime plans with: the target's verify curve up to ``longest``
+    tokens and each drafting runner's forward curve up to the same length (its lookup guesses
+    widen draft forwards); prompt lookup costs nothing.
+
+    A curve comes from ``store`` when this machine measured the same shapes before (``key_of``
+    names a model's shape), else it is measured and stored. Until then, ``model`` answers with
+    ``prior_costs``: ``measurement`` measures whatever is missing one timing at a time, which the
+    runtime's worker runs between the steps of the calls it serves. Measuring also sets each
+    runner's linear kernels. ``key_of(model, *parts)`` names a model's shape for the store
+    (``specagent.machine.model_key``). Thread-safe: one timing at a time."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        longest: int,
+        store: CurveStore | None = None,
+        key_of: Callable[..., str] | None = None,
+    ) -> None:
+        self.target = target
+        self.longest = longest
+        self.store = store
+        self._key_of = key_of or (lambda model, *parts: f"{type(model).__name__}{parts}")
+        self._verify: tuple[float, ...] | None = None
+        self._drafts: dict[int, tuple[float, ...]] = {}
+        self._lock = threading.RLock()
+
+    def covers(self, longest: int) -> bool:
+        return self.longest >= longest
+
+    def is_measured(self, draft: ModelRunner | None) -> bool:
+        return self._verify is not None and (draft is None or id(draft) in self._drafts)
+
+    def model(self, draft: ModelRunner | None) -> CostModel:
+        """The measured costs of drafting with ``draft`` (None: a free drafter), or the prior
+        while they are not measured yet."""
+        if not self.is_measured(draft):
+            return prior_costs(self.target.model, draft.model if draft is not None else None)
+        return self._assemble(draft)
+
+    def measured(self, draft: ModelRunner | None) -> CostModel:
+        """The measured costs, measuring now (on the calling thread) what is missing."""
+        _finish(self.measurement([draft]))
+        return self._assemble(draft)
+
+    def measurement(self, drafts: Iterable[ModelRunner | None]) -> Generator[None, None, None]:
+        """Measure what is missing for drafting with each of ``drafts``, one timing per step of
+        the generator (the book is locked during a step, not between steps)."""
+        wanted = list(dict.fromkeys(drafts))
+        if not wanted:
+            return
+        yield from self._curve("verify", self.target, None)
+        for draft in wanted:
+            if draft is not None:
+                yield from self._curve("draft", draft, draft)
+
+    def _assemble(self, draft: ModelRunner | None) -> CostModel:
+        assert self._verify is not None
+        drafts = self._drafts.get(id(draft), ()) if draft is not None else ()
+        return CostModel(draft_step=drafts[0] if drafts else 0.0, verify=self._verify, draft=drafts)
+
+    def _done(self, what: str, runner: ModelRunner) -> bool:
+        return self._verify is not None if what == "verify" else id(runner) in self._drafts
+
+    def _curve(
+        self, what: str, runner: ModelRunner, draft: ModelRunner | None
+    ) -> Generator[None, None, None]:
+        key = (
+            f"{what}-v{COSTS_VERSION}:{self._key_of(runner.model, self.longest)}:"
+            f"{self._key_of(self.target.model)}"
+        )
+        with self._lock:
+            if self._done(what, runner):
+                return
+            stored = self.store.get(key) if self.store is not None else None
+            if isinstance(stored, dict) and len(stored.get("costs", ())) >= 1:
+                runner.kernels = LinearPlan(frozenset(int(n) for n in stored["transposed_rows"]))
+                self._keep(what, runner, tuple(float(c) for c in stored["costs"]))
+                return
+            if draft is None:
+                steps = measure_steps(self.target, None, self.longest)
+            else:
+                steps = measure_steps(self.target, draft, 1, draft_tokens=self.longest)
+        while True:
+            with self._lock:
+                if self._done(what, runner):  # measured meanwhile by another thread
+                    steps.close()
+                    return
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    model: CostModel = done.value
+                    costs = model.verify if draft is None else model.draft
+                    self._keep(what, runner, costs)
+                    if self.store is not None:
+                        rows = sorted(runner.kernels.transposed_rows)
+                        self.store.put(key, {"costs": list(costs), "transposed_rows": rows})
+                    return
+            yield
+
+    def _keep(self, what: str, runner: ModelRunner, costs: tuple[float, ...]) -> None:
+        if what == "verify":
+            self._verify = costs
+        else:
+            self._drafts[id(runner)] = costs

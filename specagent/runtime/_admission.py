@@ -1,0 +1,165 @@
+"""Admission: a call is validated in the caller's task, before any work is queued, so bad input
+fails at once with an error that names what was wrong (policy, sampling field, context length,
+constraint)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..chat import Prompt, render_prompt
+from ..decoding.registry import DRAFTERS
+from ..decoding.sampling import SamplingParams
+from ..errors import ContextLengthError, InvalidRequestError, PolicyError
+from ..grammar import Constraint, GrammarState, compile_constraint
+from ..policy import Policy, PolicySet, load_policies
+from ..policy.loader import format_validation_error
+from ..policy.schema import SamplingConfig
+
+__all__ = ["Admission", "PoliciesArg", "Request", "coerce_policies", "drafter_kind"]
+
+PoliciesArg = str | Path | PolicySet | Sequence[Policy] | None
+
+
+@dataclass
+class Request:
+    """A validated call, ready for the worker."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    policy: Policy
+    params: SamplingParams
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    seed: int
+    explicit_max_tokens: bool
+    grammar: GrammarState | None = None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a runtime checks calls against: its policies and its model's vocabulary, context
+    window and chat template."""
+
+    policies: PolicySet
+    tokenizer: Any
+    vocab_size: int
+    context_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def request(
+        self,
+        prompt: Prompt,
+        policy_name: str | None,
+        tags: Sequence[str],
+        max_new_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        stop: Sequence[str] | None,
+        seed: int | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: Constraint | None = None,
+    ) -> Request:
+        if isinstance(tags, str):
+            tags = (tags,)
+        policy = self.policies.resolve(policy_name, tags)
+        overrides = {
+            key: value
+            for key, value in {
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
+                "stop": tuple(stop) if stop is not None else None,
+                "seed": seed,
+            }.items()
+            if value is not None
+        }
+        if isinstance(stop, str):
+            overrides["stop"] = (stop,)
+        try:
+            sampling = SamplingConfig.model_validate({**policy.sampling.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise InvalidRequestError(
+                f"invalid call parameters: {format_validation_error(exc)}"
+            ) from exc
+        if any(not s for s in sampling.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+        prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size, tools=tools)
+        budget = sampling.max_new_tokens
+        if self.context_window is not None:
+            room = self.context_window - len(prompt_ids)
+            if room < 1:
+                msg = (
+                    f"the prompt has {len(prompt_ids)} tokens; the model's context window is "
+                    f"{self.context_window}, leaving no room to generate"
+                )
+                raise ContextLengthError(msg)
+            if "max_new_tokens" in overrides and budget > room:
+                msg = (
+                    f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({budget}) exceeds the "
+                    f"context window ({self.context_window}); at most {room} new tokens fit"
+                )
+                raise ContextLengthError(msg)
+            budget = min(budget, room)
+        params = SamplingParams(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
+        )
+        call_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        grammar = None
+        if constraint is not None:
+            grammar = compile_constraint(
+                constraint, self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
+        return Request(
+            prompt=prompt,
+            prompt_ids=prompt_ids,
+            policy=policy,
+            params=params,
+            max_new_tokens=budget,
+            stop=sampling.stop,
+            seed=call_seed,
+            explicit_max_tokens="max_new_tokens" in overrides,
+            grammar=grammar,
+        )
+
+
+def drafter_kind(policy: Policy, has_draft_model: bool) -> str:
+    """The drafter a policy gets on a runtime (its fallback when there is no draft model)."""
+    kind = policy.drafter.kind
+    if DRAFTERS[kind].needs_draft_model and not has_draft_model:
+        return policy.drafter.fallback or kind
+    return kind
+
+
+def check_policies_fit(policies: PolicySet, has_draft_model: bool, num_layers: int) -> None:
+    """Refuse, when the runtime is built, a policy its models cannot run."""
+    for policy in policies:
+        kind = drafter_kind(policy, has_draft_model)
+        spec = DRAFTERS[kind]
+        if spec.needs_draft_model and not has_draft_model:
+            msg = (
+                f"policy {policy.name!r}: field 'drafter.kind': {kind} needs a draft "
+                "model, but this runtime has none (pass draft=..., set drafter.fallback, "
+                "or use prompt_lookup / early_exit)"
+            )
+            raise PolicyError(msg)
+        problem = spec.check(policy.drafter, num_layers)
+        if problem is not None:
+            raise PolicyError(f"policy {policy.name!r}: {problem}")
+
+
+def coerce_policies(policies: PoliciesArg) -> PolicySet:
+    if policies is None:
+        return PolicySet()
+    if isinstance(policies, PolicySet):
+        return policies
+    if isinstance(policies, (str, Path)):
+        return load_policies(policies)
+    return PolicySet(policies)

@@ -1,0 +1,98 @@
+"""Caller side of a call: its decode events turned into text chunks and the final result
+(stop strings cut, incomplete characters held back, ``SpecStats`` from the counters)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from ..decoding.loop import DecodeCounters, DecodeEvent
+from ..decoding.stopping import StopStrings
+from ..results import GenerationResult, SpecStats, StreamChunk, Usage
+from ._admission import Request
+
+__all__ = ["CallAssembler"]
+
+
+class CallAssembler:
+    """Turns a call's decode events into text chunks and the final result (caller side)."""
+
+    def __init__(
+        self,
+        request: Request,
+        started: float,
+        decode_text: Callable[[Sequence[int]], str],
+        drafter: str,
+    ) -> None:
+        self.request = request
+        self.started = started
+        self.decode_text = decode_text
+        self.drafter = drafter
+        """The drafter the call's policy got on this runtime (``SpecStats.drafter``)."""
+        self.first_token_at: float | None = None
+        self.token_ids: list[int] = []
+        self.emitted = 0
+        self.stops = StopStrings(request.stop, decode_text) if request.stop else None
+
+    def chunk(self, event: DecodeEvent) -> StreamChunk | None:
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.token_ids.extend(event.token_ids)
+        if event.finish_reason is not None:
+            return None
+        text = self.decode_text(self.token_ids)
+        safe = self.stops.safe_length(text) if self.stops else len(text)
+        while safe > self.emitted and text[safe - 1] == "\ufffd":  # incomplete character
+            safe -= 1
+        if safe <= self.emitted:
+            return (
+                StreamChunk(text="", token_ids=list(event.token_ids)) if event.token_ids else None
+            )
+        delta, self.emitted = text[self.emitted : safe], safe
+        return StreamChunk(text=delta, token_ids=list(event.token_ids))
+
+    def finish(self, event: DecodeEvent) -> tuple[StreamChunk, GenerationResult]:
+        self.chunk(event)
+        now = time.perf_counter()
+        output_ids = event.output_ids if event.output_ids is not None else self.token_ids
+        text = self.decode_text(self.token_ids)
+        cut = self.stops.find(text) if self.stops else None
+        text = text[:cut] if cut is not None else self.decode_text(output_ids)
+        result = GenerationResult(
+            text=text,
+            token_ids=list(output_ids),
+            finish_reason=event.finish_reason,  # type: ignore[arg-type]
+            usage=Usage(input_tokens=len(self.request.prompt_ids), output_tokens=len(output_ids)),
+            stats=self._stats(event.counters, now, len(output_ids)),
+            seed=self.request.seed,
+            prompt_token_ids=self.request.prompt_ids,
+        )
+        last = StreamChunk(
+            text=text[self.emitted :] if len(text) > self.emitted else "",
+            token_ids=list(event.token_ids),
+            finish_reason=result.finish_reason,
+            result=result,
+        )
+        return last, result
+
+    def _stats(self, counters: DecodeCounters, now: float, output_tokens: int) -> SpecStats:
+        policy = self.request.policy
+        latency = now - self.started
+        ttft = (self.first_token_at or now) - self.started
+        relaxed = policy.mode == "relaxed"
+        return SpecStats(
+            policy=policy.name,
+            mode=policy.mode,
+            drafter=self.drafter,
+            num_drafts=counters.num_drafts,
+            num_draft_tokens=counters.num_draft_tokens,
+            num_accepted_tokens=counters.num_accepted_tokens,
+            acceptance_rate=counters.acceptance_rate,
+            mean_acceptance_length=counters.mean_acceptance_length,
+            accepted_per_position=list(counters.accepted_per_position),
+            ttft_s=ttft,
+            latency_s=latency,
+            tokens_per_s=output_tokens / latency if latency > 0 else 0.0,
+            divergence=counters.divergence if relaxed else None,
+            fell_back_to_lossless=counters.fell_back_to_lossless,
+        )

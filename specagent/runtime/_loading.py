@@ -1,0 +1,70 @@
+"""Loading a runtime's models from local paths, hub ids or catalog names, each in the dtype
+that runs fastest here (``specagent.precision``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..catalog import cache_dir, resolve_model
+from ..machine import ProbeStore, config_key
+from ..models import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype
+from ..precision import DtypeChoice, Role, choose_dtype
+
+__all__ = ["Loaded", "load_pair"]
+
+
+@dataclass
+class Loaded:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: Any
+    draft_tokenizer: Any | None
+    device: torch.device
+    store: ProbeStore
+    source: str
+    """Where the target was loaded from (a path or hub id)."""
+    precision: dict[str, Any] = field(default_factory=dict)
+    """Per role: the dtype chosen and why (``DtypeChoice.to_json``)."""
+
+
+def load_pair(
+    target: str,
+    draft: str | None,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    draft_dtype: str | torch.dtype,
+    trust_remote_code: bool,
+) -> Loaded:
+    """Target (and draft) with the target's tokenizer, and the probe store of this machine in
+    the cache directory, where dtype choices, step costs and kernels are kept."""
+    target = resolve_model(target)
+    draft = resolve_model(draft) if draft is not None else None
+    dev = resolve_device(device)
+    store = ProbeStore(cache_dir() / "probes")
+    precision: dict[str, Any] = {}
+
+    def loaded(source: str, role: Role, wanted: str | torch.dtype) -> torch.nn.Module:
+        def load(dt: torch.dtype) -> torch.nn.Module:
+            return load_model(source, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
+
+        if wanted != "auto":
+            dt = resolve_dtype(wanted, dev)
+            precision[role] = DtypeChoice(dt, "asked for").to_json()
+            return load(dt)
+        shape = config_key(load_config(source, trust_remote_code=trust_remote_code))
+        model, choice = choose_dtype(load, role, dev, key=shape, store=store)
+        precision[role] = choice.to_json()
+        return model
+
+    tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
+    target_model = loaded(target, "target", dtype)
+    draft_model = draft_tokenizer = None
+    if draft is not None:
+        draft_tokenizer = load_tokenizer(draft, trust_remote_code=trust_remote_code)
+        draft_model = loaded(draft, "draft", draft_dtype)
+    return Loaded(
+        target_model, draft_model, tokenizer, draft_tokenizer, dev, store, str(target), precision
+    )

@@ -1,0 +1,292 @@
+"""The one thread that runs the models: continuous batching of every active call.
+
+Calls are advanced one decoding step at a time, round-robin, so a long call does not hold short
+ones back: each round, the pending forwards of all active calls (draft steps and verifications)
+run as one batched forward per model (``ModelRunner.forward_batch``); each call then takes its
+logits and runs on to its next forward (``decoding.cache.advance``), emitting events into its
+sink on the way. A cancelled call is dropped (with its KV caches) before the next round.
+
+Between rounds the worker runs one timing of the background cost measurement (if any is left),
+so measuring never blocks the calls for longer than one forward, and no call's forward runs
+while a timing does (it would skew both).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import anyio
+import torch
+
+from ..decoding.cache import ForwardRequest, advance
+from ..decoding.loop import DecodeSteps
+from ..errors import GenerationError, RuntimeClosedError, RuntimeOverloadedError, SpecAgentError
+from .portal import current_async_library
+
+__all__ = ["AsyncSink", "Job", "Worker"]
+
+log = logging.getLogger("specagent.runtime")
+
+
+class Sink(Protocol):
+    """Where the worker puts a call's events. ``put`` never blocks the worker."""
+
+    def put(self, item: tuple[str, Any]) -> None: ...
+
+
+class AsyncSink:
+    """Events for a caller on an anyio event loop (asyncio or trio), woken thread-safely."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[tuple[str, Any]] = collections.deque()
+        self._event = anyio.Event()
+        self._wake = _loop_waker()
+
+    def put(self, item: tuple[str, Any]) -> None:
+        self._items.append(item)
+        self._wake(self._set)
+
+    def _set(self) -> None:
+        self._event.set()
+
+    async def get(self) -> tuple[str, Any]:
+        while not self._items:
+            await self._event.wait()
+            self._event = anyio.Event()
+        return self._items.popleft()
+
+
+def _loop_waker() -> Callable[[Callable[[], None]], None]:
+    """A function that schedules a callback on the current event loop from any thread."""
+    if current_async_library() == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def wake_trio(callback: Callable[[], None]) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(callback)
+
+        return wake_trio
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+
+    def wake_asyncio(callback: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone; nobody listens
+            loop.call_soon_threadsafe(callback)
+
+    return wake_asyncio
+
+
+@dataclass
+class Job:
+    request: Any
+    """The validated call (``_admission.Request``)."""
+    sink: Sink
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    steps: DecodeSteps | None = None
+    pending: ForwardRequest | None = None
+    """The forward (draft or target) this call waits for, batched with the other calls'."""
+
+
+class Worker:
+    """Runs the calls submitted to it until stopped (see the module docstring).
+
+    ``decode`` makes a call's decoding coroutine (on the worker thread); ``background`` is a
+    generator of work to do a slice at a time between rounds (the cost measurement)."""
+
+    def __init__(
+        self,
+        decode: Callable[[Any], DecodeSteps],
+        *,
+        max_active: int,
+        max_queue: int,
+        batching: bool,
+        background: Generator[None, None, None] | None = None,
+    ) -> None:
+        self.decode = decode
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self.batching = batching
+        self.background = background
+        self.idle = threading.Event()
+        """Set while the background work is done (or there was none)."""
+        if background is None:
+            self.idle.set()
+        self.inbox: collections.deque[Job] = collections.deque()
+        self.active: list[Job] = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.drain = True
+        self.thread = threading.Thread(target=self._run, name="specagent-worker", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if self.stopping:
+                raise RuntimeClosedError("the runtime is shutting down; the call was not started")
+            # Calls in the inbox that a free decoding slot will take next are not waiting.
+            free_slots = max(0, self.max_active - len(self.active))
+            if len(self.inbox) >= self.max_queue + free_slots:
+                msg = (
+                    f"runtime overloaded: {len(self.active)} calls running and {len(self.inbox)} "
+                    f"waiting (max_queue={self.max_queue}); retry later"
+                )
+                raise RuntimeOverloadedError(msg)
+            self.inbox.append(job)
+            self.cond.notify()
+
+    def stop(self, drain: bool) -> None:
+        with self.cond:
+            self.stopping = True
+            self.drain = drain
+            self.cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    while (
+                        not self.inbox
+                        and not self.active
+                        and not self.stopping
+                        and self.background is None
+                    ):
+                        self.cond.wait()
+                    if self.stopping and not self.drain:
+                        self._fail_all(RuntimeClosedError("the runtime was closed"))
+                        break
+                    if self.stopping and not self.inbox and not self.active:
+                        break
+                    starting: list[Job] = []
+                    while self.inbox and len(self.active) + len(starting) < self.max_active:
+                        starting.append(self.inbox.popleft())
+                for job in starting:
+                    self._start(job)
+                self._step_all()
+                self._background_slice()
+        except BaseException as exc:  # a bug in the worker itself: fail everyone, say why
+            self._fail_all(GenerationError(f"the runtime worker stopped: {exc!r}"))
+            raise
+        finally:
+            if self.background is not None:
+                self.background.close()  # unfinished: a later worker measures the rest
+                self.background = None
+
+    def _background_slice(self) -> None:
+        if self.background is None:
+            return
+        try:
+            next(self.background)
+        except StopIteration:
+            self.background = None
+            self.idle.set()
+        except Exception:  # measuring is an optimisation: calls go on with the prior costs
+            log.exception("measuring step costs failed; planning with the prior costs")
+            self.background = None
+            self.idle.set()
+
+    def _fail_all(self, exc: SpecAgentError) -> None:
+        with self.cond:
+            jobs = [*self.active, *self.inbox]
+            self.active.clear()
+            self.inbox.clear()
+        for job in jobs:
+            job.steps = None
+            job.sink.put(("error", exc))
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return
+        try:
+            job.steps = self.decode(job.request)
+        except Exception as exc:
+            job.sink.put(("error", as_generation_error(exc)))
+            return
+        self.active.append(job)
+        self._resume(job, None)  # prefill and first draft, up to the first verification
+
+    def _step_all(self) -> None:
+        """One round: every pending forward, one batched forward per model."""
+        groups: dict[int, list[Job]] = {}
+        for job in list(self.active):
+            if job.cancelled.is_set():
+                self._finish(job)
+            elif job.pending is not None:
+                groups.setdefault(id(job.pending.runner), []).append(job)
+        for jobs in groups.values():
+            requests = [job.pending for job in jobs if job.pending is not None]
+            logits: list[torch.Tensor] | None = None
+            if self.batching and len(requests) > 1:
+                try:
+                    logits = requests[0].runner.forward_batch(
+                        [(r.tokens, r.cache) for r in requests], [r.keep for r in requests]
+                    )
+                except Exception as exc:  # find the culprit: retry the calls one by one
+                    release_device_memory(exc)
+            for i, job in enumerate(jobs):
+                request, job.pending = job.pending, None
+                assert request is not None
+                try:
+                    reply = logits[i] if logits is not None else request.run()
+                except Exception as exc:
+                    self._fail(job, exc)
+                    continue
+                self._resume(job, reply)
+
+    def _resume(self, job: Job, reply: torch.Tensor | None) -> None:
+        """Run the call until its next forward request (kept as ``pending``) or its end,
+        delivering the events on the way."""
+        assert job.steps is not None
+        try:
+            while True:
+                item = advance(job.steps, reply, inline=False)
+                reply = None
+                if isinstance(item, ForwardRequest):
+                    job.pending = item
+                    return
+                if item.finish_reason is not None:
+                    self._finish(job)
+                    job.sink.put(("done", item))
+                    return
+                job.sink.put(("tokens", item))
+        except StopIteration:
+            self._finish(job)
+        except Exception as exc:
+            self._fail(job, exc)
+
+    def _fail(self, job: Job, exc: Exception) -> None:
+        self._finish(job)
+        release_device_memory(exc)
+        job.sink.put(("error", as_generation_error(exc)))
+
+    def _finish(self, job: Job) -> None:
+        job.pending = None
+        if job.steps is not None:
+            job.steps.close()
+            job.steps = None
+        with contextlib.suppress(ValueError):
+            self.active.remove(job)
+
+
+def as_generation_error(exc: Exception) -> SpecAgentError:
+    if isinstance(exc, SpecAgentError):
+        return exc
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        error = GenerationError(f"out of device memory while decoding this call: {exc}")
+    else:
+        error = GenerationError(f"decoding failed: {type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
+
+
+def release_device_memory(exc: Exception) -> None:
+    if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
+        torch.cuda.empty_cache()

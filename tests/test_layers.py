@@ -1,0 +1,262 @@
+"""The seams between the layers: the drafter registry (a new drafter is its builder plus one
+registry entry), cost measurement in the worker's background, the OpenAI-shaped call layer, and
+the backend protocol that front doors depend on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+from specagent import Backend, InvalidRequestError, Policy, SpecRuntime
+from specagent.calls import CallSpec, constraint_for, run_call, tool_choice_name
+from specagent.decoding import costs as costs_module
+from specagent.decoding import registry
+from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.schedule import FixedSchedule
+from specagent.results import StreamChunk
+
+ADAPTIVE = Policy(
+    name="adaptive",
+    description="draft model, adaptive k",
+    mode="lossless",
+    drafter={"kind": "draft_model", "num_speculative_tokens": 6},
+)
+LOOKUP = Policy(
+    name="lookup",
+    description="prompt lookup, fixed k",
+    mode="lossless",
+    drafter={"kind": "prompt_lookup", "num_speculative_tokens": 3, "adaptive": False},
+    match={"tags": ["extract"]},
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_order",
+            "description": "Look an order up",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string", "enum": ["A-1", "B-2"]}},
+                "required": ["order_id"],
+            },
+        },
+    }
+]
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class _CountingLookup(PromptLookupDrafter):
+    """A drafter defined outside the package: prompt lookup that counts its proposals."""
+
+    name = "counting_lookup"
+    proposals = 0
+
+    def propose(self, *args: Any, **kwargs: Any) -> Any:
+        type(self).proposals += 1
+        return super().propose(*args, **kwargs)
+
+
+def _build_counting(config: Any, parts: registry.DraftingParts) -> Any:
+    return _CountingLookup(config.max_ngram, config.min_ngram), FixedSchedule(
+        config.num_speculative_tokens
+    )
+
+
+def test_a_new_drafter_is_its_builder_plus_one_registry_entry(
+    target, tokenizer, monkeypatch
+) -> None:
+    monkeypatch.setitem(
+        registry.DRAFTERS,  # type: ignore[arg-type]
+        "counting_lookup",
+        registry.DrafterKind(_build_counting),
+    )
+    policy = Policy(
+        name="counting",
+        description="a registered drafter",
+        mode="lossless",
+        drafter={"kind": "counting_lookup", "num_speculative_tokens": 3},
+    )
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[policy], device="cpu")
+    plain = runtime.with_policies(
+        [Policy(name="plain", description="no drafting", mode="lossless", drafter={"kind": "none"})]
+    )
+    prompt = "Hello world, hello world, hello"
+    result = runtime.generate_sync(prompt, policy="counting", max_new_tokens=12)
+    assert _CountingLookup.proposals > 0
+    assert result.stats.drafter == "counting_lookup"
+    assert result.token_ids == plain.generate_sync(prompt, max_new_tokens=12).token_ids
+    runtime.close()
+    plain.close()
+
+
+def test_an_unregistered_drafter_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown drafter 'tree'.*prompt_lookup"):
+        Policy.model_validate(
+            {"name": "x", "description": "d", "mode": "lossless", "drafter": {"kind": "tree"}}
+        )
+    with pytest.raises(ValueError, match="unknown drafter 'draft_model'"):
+        Policy.model_validate(
+            {
+                "name": "x",
+                "description": "d",
+                "mode": "lossless",
+                "drafter": {"kind": "draft_model", "fallback": "draft_model"},
+            }
+        )
+
+
+def test_relaxed_rules_and_their_tuning_grids_come_from_the_registry() -> None:
+    from specagent.tuning import GRIDS
+
+    assert set(GRIDS) == set(registry.RULES)
+    for name, kind in registry.RULES.items():
+        block = kind.config(rule=name)
+        assert block.build() is not None
+        assert set(kind.grid) <= set(type(block).model_fields)
+
+
+# --------------------------------------------------------------------------- background costs
+
+
+def test_costs_are_measured_in_the_background_while_calls_proceed(target, draft, tokenizer) -> None:
+    runtime = SpecRuntime(target, draft, tokenizer, [ADAPTIVE], "cpu")
+    book = runtime._costs
+    assert not book.is_measured(runtime._draft_runner)
+    prior = book.model(runtime._draft_runner)
+    assert 0 < prior.draft_step <= 1.0  # the draft's share of the target's weight bytes
+    result = runtime.generate_sync("The quick brown fox", max_new_tokens=8)
+    assert result.usage.output_tokens >= 1
+    assert runtime.wait_measured(timeout=120)
+    assert book.is_measured(runtime._draft_runner)
+    measured = runtime.step_costs("adaptive")
+    assert measured.verify[0] == 1.0
+    assert len(measured.verify) == 7
+    assert len(measured.draft) == 7
+    runtime.close()
+
+
+def test_a_failing_measurement_leaves_calls_on_the_prior(
+    target, draft, tokenizer, monkeypatch, caplog
+) -> None:
+    def broken(*args: object, **kwargs: object) -> Any:
+        raise RuntimeError("timer broke")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(costs_module, "measure_steps", broken)
+    runtime = SpecRuntime(target, draft, tokenizer, [ADAPTIVE], "cpu")
+    with caplog.at_level(logging.ERROR, logger="specagent.runtime"):
+        assert runtime.wait_measured(timeout=60)
+        result = runtime.generate_sync("Hello world", max_new_tokens=6)
+    assert result.usage.output_tokens >= 1
+    assert "measuring step costs failed" in caplog.text
+    assert not runtime._costs.is_measured(runtime._draft_runner)
+    runtime.close()
+
+
+# --------------------------------------------------------------------------- the call layer
+
+
+def test_tool_choice_spellings_and_errors() -> None:
+    names = ["lookup_order"]
+    assert tool_choice_name(None, names) is None
+    assert tool_choice_name("auto", names) == "auto"
+    assert tool_choice_name(True, names) == "any"
+    assert tool_choice_name("required", names) == "any"
+    assert tool_choice_name({"type": "function", "function": {"name": "lookup_order"}}, names) == (
+        "lookup_order"
+    )
+    with pytest.raises(InvalidRequestError, match="'cancel_order' is not one of the bound tools"):
+        tool_choice_name("cancel_order", names)
+    with pytest.raises(InvalidRequestError, match="response_format type must be"):
+        constraint_for(None, None, {"type": "xml"})
+    assert constraint_for(TOOLS, "auto", None) is None
+    assert constraint_for(TOOLS, "any", None) is not None
+
+
+def test_call_spec_policy_precedence(target, draft, tokenizer) -> None:
+    runtime = SpecRuntime(target, draft, tokenizer, [ADAPTIVE, LOOKUP], "cpu")
+    messages = [{"role": "user", "content": "hi"}]
+
+    def policy(**kwargs: Any) -> str | None:
+        return CallSpec.build(messages, backend=runtime, **kwargs).policy
+
+    assert policy(policy="lookup", default_policy="adaptive") == "lookup"  # named wins
+    assert policy(tags=["extract"], default_policy="adaptive") == "lookup"  # tags route
+    assert policy(tags=["other"], default_policy="adaptive") == "adaptive"  # else the default
+    assert policy(tags=["extract"]) is None  # no default: the backend routes the tags itself
+    spec = CallSpec.build(messages, tools=TOOLS, tool_choice="none", stop="END", seed=3)
+    assert spec.tools is None
+    assert spec.constraint is None
+    assert spec.stream_kwargs()["stop"] == ["END"]
+    assert spec.stream_kwargs()["seed"] == 3
+    runtime.close()
+
+
+@pytest.mark.anyio
+async def test_run_call_forces_and_parses_a_tool_call(target, tokenizer) -> None:
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[LOOKUP], device="cpu")
+    call = CallSpec.build(
+        [{"role": "user", "content": "Where is order A-1?"}],
+        tools=TOOLS,
+        tool_choice="lookup_order",
+        max_tokens=120,
+        policy="lookup",
+    )
+    chunks = [chunk async for chunk in run_call(runtime, call)]
+    assert all(not c.text for c in chunks[:-1])  # a forced call is held back whole
+    last = chunks[-1]
+    assert last.finish_reason == "tool_calls"
+    assert [c.name for c in last.tool_calls] == ["lookup_order"]
+    assert isinstance(last.tool_calls[0].arguments["order_id"], str)
+    await runtime.aclose()
+
+
+# --------------------------------------------------------------------------- the backend seam
+
+
+class _Relay:
+    """Another backend in front of a runtime (as a remote replica would be): it satisfies the
+    protocol without being a ``SpecRuntime`` and counts the calls it relays."""
+
+    def __init__(self, runtime: SpecRuntime) -> None:
+        self.inner = runtime
+        self.model_name = "relay"
+        self.policies = runtime.policies
+        self.calls = 0
+
+    async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        self.calls += 1
+        async for chunk in self.inner.stream(prompt, **kwargs):
+            yield chunk
+
+    async def generate(self, prompt: Any, **kwargs: Any) -> Any:
+        return await self.inner.generate(prompt, **kwargs)
+
+    async def aclose(self, drain: bool = True) -> None:
+        await self.inner.aclose(drain)
+
+    def close(self, drain: bool = True) -> None:
+        self.inner.close(drain)
+
+
+def test_front_doors_take_any_backend(target, tokenizer) -> None:
+    from langchain_specagent import ChatSpecAgent
+
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[LOOKUP], device="cpu")
+    relay = _Relay(runtime)
+    assert isinstance(runtime, Backend)
+    assert isinstance(relay, Backend)
+    model = ChatSpecAgent(runtime=relay, policy="lookup", max_tokens=6)
+    message = model.invoke("Hello")
+    assert relay.calls == 1
+    assert message.response_metadata["specagent"]["policy"] == "lookup"
+    with pytest.raises(ValueError, match="runtime must be a SpecRuntime"):
+        ChatSpecAgent(runtime=torch.nn.Linear(1, 1))
+    runtime.close()
