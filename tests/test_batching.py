@@ -67,13 +67,13 @@ def runtime(target, draft, tokenizer):
 def _spy_batches(rt: SpecRuntime) -> list[int]:
     """Record the size of every batched verification (the real forward still runs)."""
     sizes: list[int] = []
-    real = rt._target_runner.forward_batch
+    real = rt._engine.target_runner.forward_batch
 
     def forward_batch(requests, keep=None):
         sizes.append(len(requests))
         return real(requests, keep)
 
-    rt._target_runner.forward_batch = forward_batch  # type: ignore[method-assign]
+    rt._engine.target_runner.forward_batch = forward_batch  # type: ignore[method-assign]
     return sizes
 
 

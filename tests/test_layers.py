@@ -127,14 +127,14 @@ def test_relaxed_rules_and_their_tuning_grids_come_from_the_registry() -> None:
 
 def test_costs_are_measured_in_the_background_while_calls_proceed(target, draft, tokenizer) -> None:
     runtime = SpecRuntime(target, draft, tokenizer, [ADAPTIVE], "cpu")
-    book = runtime._costs
-    assert not book.is_measured(runtime._draft_runner)
-    prior = book.model(runtime._draft_runner)
+    book = runtime._engine.costs
+    assert not book.is_measured(runtime._engine.draft_runner)
+    prior = book.model(runtime._engine.draft_runner)
     assert 0 < prior.draft_step <= 1.0  # the draft's share of the target's weight bytes
     result = runtime.generate_sync("The quick brown fox", max_new_tokens=8)
     assert result.usage.output_tokens >= 1
     assert runtime.wait_measured(timeout=120)
-    assert book.is_measured(runtime._draft_runner)
+    assert book.is_measured(runtime._engine.draft_runner)
     measured = runtime.step_costs("adaptive")
     assert measured.verify[0] == 1.0
     assert len(measured.verify) == 7
@@ -156,7 +156,7 @@ def test_a_failing_measurement_leaves_calls_on_the_prior(
         result = runtime.generate_sync("Hello world", max_new_tokens=6)
     assert result.usage.output_tokens >= 1
     assert "measuring step costs failed" in caplog.text
-    assert not runtime._costs.is_measured(runtime._draft_runner)
+    assert not runtime._engine.costs.is_measured(runtime._engine.draft_runner)
     runtime.close()
 
 

@@ -127,10 +127,10 @@ def test_runtime_reuses_costs_and_kernels_measured_on_this_machine(
     monkeypatch.setattr(costs_module, "measure_steps", refuse)
     second = SpecRuntime(target, draft, tokenizer, DRAFTING, "cpu", probe_store=store)
     assert second.step_costs("drafting") == costs
-    assert second._target_runner.kernels == first._target_runner.kernels
-    assert second._draft_runner is not None
-    assert first._draft_runner is not None
-    assert second._draft_runner.kernels == first._draft_runner.kernels
+    assert second._engine.target_runner.kernels == first._engine.target_runner.kernels
+    assert second._engine.draft_runner is not None
+    assert first._engine.draft_runner is not None
+    assert second._engine.draft_runner.kernels == first._engine.draft_runner.kernels
 
 
 def test_from_pretrained_auto_measures_dtype_for_target_and_draft(

@@ -338,13 +338,13 @@ def test_lossless_distribution_through_the_runtime() -> None:
     counts = np.zeros((STEPS, VOCAB))
 
     batch_sizes: list[int] = []
-    real_batch = rt._target_runner.forward_batch
+    real_batch = rt._engine.target_runner.forward_batch
 
     def spy(requests, keep=None):  # records what the worker batched; the real forward works
         batch_sizes.append(len(requests))
         return real_batch(requests, keep)
 
-    rt._target_runner.forward_batch = spy  # type: ignore[method-assign]
+    rt._engine.target_runner.forward_batch = spy  # type: ignore[method-assign]
 
     async def one(seed: int) -> None:
         r = await rt.generate(PROMPT, policy="p", temperature=1.0, max_new_tokens=STEPS, seed=seed)
@@ -487,14 +487,14 @@ async def test_a_failing_call_does_not_take_others_down(target, draft, tokenizer
         target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES, device="cpu"
     )
     poison = tokenizer.encode("POISON")
-    real_forward = rt._target_runner.forward
+    real_forward = rt._engine.target_runner.forward
 
     def forward(input_ids, cache, keep=None):
         if input_ids[: len(poison)] == poison:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_forward(input_ids, cache, keep)
 
-    rt._target_runner.forward = forward  # type: ignore[method-assign]
+    rt._engine.target_runner.forward = forward  # type: ignore[method-assign]
     outcomes: dict[str, object] = {}
 
     async def call(name: str, prompt: list[int] | str) -> None:

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int | None:
     if args.command == "policies":
-        from .policy import load_policies
+        from ..policy import load_policies
 
         policies = load_policies(args.directory)
         for policy in policies:
@@ -148,7 +148,7 @@ def _dispatch(args: argparse.Namespace) -> int | None:
             )
         return 0
     if args.command == "models":
-        from .catalog import CATALOG, PAIRS, cache_dir, resolve_model
+        from ..catalog import CATALOG, PAIRS, cache_dir, resolve_model
 
         if args.action == "list":
             for model in CATALOG.values():

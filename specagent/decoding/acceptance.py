@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .sampling import sample
 
 __all__ = [
+    "AcceptanceBlock",
     "LenienceAcceptance",
     "LenienceRule",
     "RelaxedRule",
@@ -250,14 +251,21 @@ def verify_relaxed(
 # Registered by name in ``registry.RULES``.
 
 
-class _AcceptanceBase(BaseModel):
+class AcceptanceBlock(BaseModel):
+    """What every relaxed rule's policy block has: its ``rule`` name (the union's tag), the
+    divergence budget, and ``build``."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    rule: str
     max_divergence: float | None = Field(default=None, gt=0.0, le=1.0)
     """Budget on the call's running mean TV divergence; past it the call continues losslessly."""
 
+    def build(self) -> RelaxedRule:
+        raise NotImplementedError
 
-class TypicalAcceptance(_AcceptanceBase):
+
+class TypicalAcceptance(AcceptanceBlock):
     """Accept x if ``p(x) > min(epsilon, delta * exp(-H(p)))`` (Medusa's typical acceptance)."""
 
     rule: Literal["typical"]
@@ -268,7 +276,7 @@ class TypicalAcceptance(_AcceptanceBase):
         return TypicalRule(epsilon=self.epsilon, delta=self.delta)
 
 
-class TopKAcceptance(_AcceptanceBase):
+class TopKAcceptance(AcceptanceBlock):
     """Accept x if it is in the target's top-k and ``p(x) >= ratio * max p``."""
 
     rule: Literal["top_k"]
@@ -279,7 +287,7 @@ class TopKAcceptance(_AcceptanceBase):
         return TopKRule(top_k=self.top_k, ratio=self.ratio)
 
 
-class LenienceAcceptance(_AcceptanceBase):
+class LenienceAcceptance(AcceptanceBlock):
     """Accept x with ``min(1, p(x) / (lenience * q(x)))``; 1.0 would be lossless."""
 
     rule: Literal["lenience"]

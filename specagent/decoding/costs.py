@@ -160,7 +160,7 @@ def measure_costs(
         repeats=repeats,
         draft_tokens=draft_tokens,
     )
-    return _finish(steps)  # type: ignore[no-any-return]
+    return _finish(steps)
 
 
 def measure_steps(

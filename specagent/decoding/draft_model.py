@@ -180,8 +180,9 @@ class DraftModelDrafter:
                 break
         if not tokens:
             return EMPTY
-        probs = None if params.greedy else torch.stack(rows)
-        return Proposal(tokens=tokens, probs=probs, masks=masks or None)
+        if params.greedy:
+            return Proposal(tokens=tokens, masks=masks or None)
+        return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
 
     def _guess(self, context: list[int], limit: int) -> list[int]:
         """Tokens the draft will likely produce next, by n-gram lookup in the context. Fed with

@@ -103,7 +103,7 @@ def choose_kernels(
         try:
             next(steps)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            return done.value
 
 
 def kernel_choice_steps(

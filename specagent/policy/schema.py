@@ -6,11 +6,12 @@ parameter of another rule is an error rather than silently ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..decoding.acceptance import (
+    AcceptanceBlock,
     LenienceAcceptance,
     RelaxedRule,
     TopKAcceptance,
@@ -86,11 +87,15 @@ class DrafterConfig(_Strict):
         return self
 
 
-AcceptanceConfig = Annotated[
-    Union[tuple(kind.config for kind in RULES.values())],  # type: ignore[valid-type]  # noqa: UP007
-    Field(discriminator="rule"),
-]
-"""The relaxed rules of ``decoding.registry.RULES``, told apart by their ``rule`` field."""
+if TYPE_CHECKING:
+    AcceptanceConfig = AcceptanceBlock
+else:
+    AcceptanceConfig = Annotated[
+        Union[tuple(kind.config for kind in RULES.values())],  # noqa: UP007
+        Field(discriminator="rule"),
+    ]
+"""The relaxed rules of ``decoding.registry.RULES`` (each an ``AcceptanceBlock``), told apart
+by their ``rule`` field."""
 
 
 class SamplingConfig(_Strict):

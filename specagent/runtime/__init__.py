@@ -29,15 +29,11 @@ import torch
 from opentelemetry import context as otel_context
 
 from ..chat import Prompt
-from ..decoding.cache import ModelRunner, PrefixCache, early_exit_view
-from ..decoding.costs import CostBook, CostModel
-from ..decoding.loop import DecodeSteps, speculative_steps
-from ..decoding.registry import DRAFTERS, DraftingParts
-from ..decoding.sampling import make_generator
-from ..decoding.stopping import StopStrings
+from ..decoding.cache import PrefixCache
+from ..decoding.costs import CostModel
 from ..errors import GenerationError
 from ..grammar import Constraint
-from ..machine import ProbeStore, model_key
+from ..machine import ProbeStore
 from ..models import (
     check_draft_compatible,
     context_window,
@@ -57,6 +53,7 @@ from ._admission import (
     drafter_kind,
 )
 from ._assembly import CallAssembler
+from ._engine import Engine
 from ._loading import load_pair
 from ._worker import AsyncSink, Job, Worker
 from .portal import iterate_sync, refuse_inside_event_loop
@@ -108,8 +105,8 @@ class SpecRuntime:
         """Batch concurrent calls' draft and verification forwards, one forward per model per
         round (else each call's forward runs on its own)."""
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
-        self._num_layers = int(getattr(self.target.config, "num_hidden_layers", 0))
-        check_policies_fit(self.policies, self.draft is not None, self._num_layers)
+        layers = int(getattr(self.target.config, "num_hidden_layers", 0))
+        check_policies_fit(self.policies, self.draft is not None, layers)
         self._admission = Admission(
             self.policies,
             tokenizer,
@@ -117,11 +114,6 @@ class SpecRuntime:
             self.context_window,
             tuple(self.eos_token_ids),
         )
-        self._target_runner = ModelRunner(self.target)  # type: ignore[arg-type]
-        self._draft_runner = (
-            ModelRunner(self.draft, vocab_size=self.vocab_size) if self.draft is not None else None  # type: ignore[arg-type]
-        )
-        self._shallow_runners: dict[int, ModelRunner] = {}
         self.precision: dict[str, Any] = {}
         """The dtype each model runs in and why (``from_pretrained``; empty for models passed
         in, which keep theirs)."""
@@ -133,7 +125,17 @@ class SpecRuntime:
         self._lock = threading.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
-        self._use_costs(self._cost_book(self._longest_draft() + 1))
+        self._engine = Engine(
+            self.target,
+            self.draft,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            context_window=self.context_window,
+            prefixes=self.prefix_cache,
+            store=probe_store,
+            longest=max(p.drafter.num_speculative_tokens for p in self.policies) + 1,
+            decode_text=self._decode_text,
+        )
 
     @classmethod
     def from_pretrained(
@@ -190,11 +192,7 @@ class SpecRuntime:
         other = SpecRuntime(
             self.target, self.draft, self.tokenizer, policies, self.device, **options
         )
-        other._target_runner, other._draft_runner = self._target_runner, self._draft_runner
-        other._shallow_runners = self._shallow_runners
-        longest = other._costs.longest
-        shared = self._costs.covers(longest)
-        other._use_costs(self._costs if shared else other._cost_book(longest))
+        other._engine.share(self._engine)
         return other
 
     def step_costs(self, policy: Policy | str) -> CostModel:
@@ -203,7 +201,7 @@ class SpecRuntime:
         reached them, then kept)."""
         if isinstance(policy, str):
             policy = self.policies[policy]
-        return self._costs.measured(self._cost_runner(policy))
+        return self._engine.costs.measured(self._engine.cost_runner(policy))
 
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
@@ -247,14 +245,12 @@ class SpecRuntime:
     def _ensure_worker(self) -> Worker:
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive() or self._worker.stopping:
-                drafting = [p for p in self.policies if self.drafter_kind(p) != "none"]
-                runners = [self._cost_runner(p) for p in drafting]
                 self._worker = Worker(
-                    self._decode,
+                    lambda request: self._engine.decode(request, self.device),
                     max_active=self.max_active,
                     max_queue=self.max_queue,
                     batching=self.batching,
-                    background=self._costs.measurement(runners) if drafting else None,
+                    background=self._engine.measurement(list(self.policies)),
                 )
             return self._worker
 
@@ -368,60 +364,6 @@ class SpecRuntime:
             prompt=request.prompt,
             parent=parent,
         )
-
-    def _decode(self, request: Request) -> DecodeSteps:
-        """Worker side: the decoding coroutine for one call."""
-        policy = request.policy
-        kind = DRAFTERS[self.drafter_kind(policy)]
-        drafter, schedule = kind.build(policy.drafter, self._parts)
-        acceptance = policy.acceptance
-        stop_check = (
-            StopStrings(request.stop, self._decode_text).tokens_to_keep if request.stop else None
-        )
-        return speculative_steps(
-            self._target_runner,
-            request.prompt_ids,
-            params=request.params,
-            generator=make_generator(request.seed, self.device),
-            max_new_tokens=request.max_new_tokens,
-            drafter=drafter,
-            schedule=schedule,
-            rule=policy.relaxed_rule(),
-            max_divergence=acceptance.max_divergence if acceptance is not None else None,
-            eos_token_ids=self.eos_token_ids,
-            stop_check=stop_check,
-            max_context=self.context_window,
-            constraint=request.grammar,
-            prefixes=self.prefix_cache,
-        )
-
-    def _cost_book(self, longest: int) -> CostBook:
-        return CostBook(self._target_runner, longest, self.probe_store, key_of=model_key)
-
-    def _use_costs(self, book: CostBook) -> None:
-        """Plan with ``book`` (shared by runtimes over the same models, ``with_policies``)."""
-        self._costs = book
-        self._parts = DraftingParts(
-            target=self._target_runner,
-            draft=self._draft_runner,
-            prefixes=self.prefix_cache,
-            costs=book.model,
-            shallow=self._shallow_runner,
-            num_layers=self._num_layers,
-        )
-
-    def _cost_runner(self, policy: Policy) -> ModelRunner | None:
-        """The model whose forwards drafting costs for ``policy`` (None: a free drafter)."""
-        return DRAFTERS[self.drafter_kind(policy)].cost_runner(policy.drafter, self._parts)
-
-    def _longest_draft(self) -> int:
-        return max(p.drafter.num_speculative_tokens for p in self.policies)
-
-    def _shallow_runner(self, layers: int) -> ModelRunner:
-        if layers not in self._shallow_runners:
-            view = early_exit_view(self.target, layers)  # type: ignore[arg-type]
-            self._shallow_runners[layers] = ModelRunner(view, vocab_size=self.vocab_size)
-        return self._shallow_runners[layers]
 
     def _decode_text(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:

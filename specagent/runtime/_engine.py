@@ -1,0 +1,120 @@
+"""The runtime's decoding side: its models' runners, the step costs they plan with, and each
+call's decoding coroutine, assembled from ``decoding.registry``. Used on the worker thread (the
+cost book is thread-safe for ``step_costs`` from elsewhere)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import torch
+
+from ..decoding.cache import ModelRunner, PrefixCache, early_exit_view
+from ..decoding.costs import CostBook
+from ..decoding.loop import DecodeSteps, speculative_steps
+from ..decoding.registry import DRAFTERS, DraftingParts
+from ..decoding.sampling import make_generator
+from ..decoding.stopping import StopStrings
+from ..machine import ProbeStore, model_key
+from ..policy import Policy
+from ._admission import Request, drafter_kind
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Runners over the target (and draft), a ``CostBook`` and the calls' decoding coroutines."""
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module | None,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        context_window: int | None,
+        prefixes: PrefixCache | None,
+        store: ProbeStore | None,
+        longest: int,
+        decode_text: Callable[[Sequence[int]], str],
+    ) -> None:
+        self.target = target
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.context_window = context_window
+        self.prefixes = prefixes
+        self.decode_text = decode_text
+        self.num_layers = int(getattr(target.config, "num_hidden_layers", 0))
+        self.target_runner = ModelRunner(target)  # type: ignore[arg-type]
+        self.draft_runner = (
+            ModelRunner(draft, vocab_size=vocab_size) if draft is not None else None  # type: ignore[arg-type]
+        )
+        self.shallow_runners: dict[int, ModelRunner] = {}
+        self.store = store
+        self.use_costs(CostBook(self.target_runner, longest, store, key_of=model_key))
+
+    def share(self, other: Engine) -> None:
+        """Use ``other``'s runners (same models: kernels and caches of shapes are kept) and its
+        measured costs where they cover this engine's longest draft."""
+        self.target_runner, self.draft_runner = other.target_runner, other.draft_runner
+        self.shallow_runners = other.shallow_runners
+        longest = self.costs.longest
+        if other.costs.covers(longest):
+            self.use_costs(other.costs)
+        else:
+            self.use_costs(CostBook(self.target_runner, longest, self.store, key_of=model_key))
+
+    def use_costs(self, book: CostBook) -> None:
+        self.costs = book
+        self.parts = DraftingParts(
+            target=self.target_runner,
+            draft=self.draft_runner,
+            prefixes=self.prefixes,
+            costs=book.model,
+            shallow=self.shallow_runner,
+            num_layers=self.num_layers,
+        )
+
+    def shallow_runner(self, layers: int) -> ModelRunner:
+        """A runner over the target's first ``layers`` layers (early exit), made once."""
+        if layers not in self.shallow_runners:
+            view = early_exit_view(self.target, layers)  # type: ignore[arg-type]
+            self.shallow_runners[layers] = ModelRunner(view, vocab_size=self.vocab_size)
+        return self.shallow_runners[layers]
+
+    def cost_runner(self, policy: Policy) -> ModelRunner | None:
+        """The model whose forwards drafting costs for ``policy`` (None: a free drafter)."""
+        kind = drafter_kind(policy, self.draft_runner is not None)
+        return DRAFTERS[kind].cost_runner(policy.drafter, self.parts)
+
+    def measurement(self, policies: Sequence[Policy]) -> Generator[None, None, None] | None:
+        """The background measurement of the costs the drafting policies plan with."""
+        has_draft = self.draft_runner is not None
+        drafting = [p for p in policies if drafter_kind(p, has_draft) != "none"]
+        if not drafting:
+            return None
+        return self.costs.measurement([self.cost_runner(p) for p in drafting])
+
+    def decode(self, request: Request, device: torch.device) -> DecodeSteps:
+        """The decoding coroutine of one call."""
+        policy = request.policy
+        kind = DRAFTERS[drafter_kind(policy, self.draft_runner is not None)]
+        drafter, schedule = kind.build(policy.drafter, self.parts)
+        acceptance = policy.acceptance
+        stops: Any = StopStrings(request.stop, self.decode_text) if request.stop else None
+        return speculative_steps(
+            self.target_runner,
+            request.prompt_ids,
+            params=request.params,
+            generator=make_generator(request.seed, device),
+            max_new_tokens=request.max_new_tokens,
+            drafter=drafter,
+            schedule=schedule,
+            rule=policy.relaxed_rule(),
+            max_divergence=acceptance.max_divergence if acceptance is not None else None,
+            eos_token_ids=self.eos_token_ids,
+            stop_check=stops.tokens_to_keep if stops is not None else None,
+            max_context=self.context_window,
+            constraint=request.grammar,
+            prefixes=self.prefixes,
+        )
