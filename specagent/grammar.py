@@ -112,12 +112,16 @@ class GrammarState:
         if num_tokens > 0:
             self._matcher.rollback(num_tokens)
 
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (the braces, keys and tool name of a tool call):
+        llguidance's fast-forward tokens, in the tokenizer's canonical tokenization."""
+        if self._matcher.is_stopped():
+            return []
+        return [int(t) for t in self._matcher.compute_ff_tokens()]
+
     def is_stopped(self) -> bool:
         """The grammar is complete and allows nothing more (the call should end)."""
         return bool(self._matcher.is_stopped())
-
-    def is_accepting(self) -> bool:
-        return bool(self._matcher.is_accepting())
 
 
 # JSON as ``json.dumps`` writes it (and as models are trained to): no free whitespace, so a weak

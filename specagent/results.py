@@ -30,7 +30,8 @@ class SpecStats:
     policy: str
     mode: Literal["lossless", "relaxed"]
     drafter: str
-    """``draft_model``, ``prompt_lookup``, ``early_exit`` or ``none``."""
+    """A drafter of ``decoding.registry.DRAFTERS``: ``draft_model``, ``prompt_lookup``,
+    ``early_exit``, ``suffix``, ``auto`` or ``none``."""
     num_drafts: int
     """Verification steps that checked at least one draft token."""
     num_draft_tokens: int
@@ -52,6 +53,12 @@ class SpecStats:
     """Relaxed calls: mean TV distance from the target's distribution per emitted token."""
     fell_back_to_lossless: bool = False
     """Relaxed calls: the divergence budget was exceeded and the rest ran losslessly."""
+    num_forced_tokens: int = 0
+    """Tokens a grammar forced (tool-call braces, keys, names), verified with the drafts at no
+    drafting cost; not counted in ``num_draft_tokens``."""
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    """Accepted tokens by where they came from: ``model`` (draft model or early exit),
+    ``history`` (text already written: this call's or earlier calls'), ``grammar``."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

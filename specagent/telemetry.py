@@ -211,6 +211,7 @@ class Telemetry:
                 "specagent.spec_decode.num_drafts": stats.num_drafts,
                 "specagent.spec_decode.num_draft_tokens": stats.num_draft_tokens,
                 "specagent.spec_decode.num_accepted_tokens": stats.num_accepted_tokens,
+                "specagent.spec_decode.num_forced_tokens": stats.num_forced_tokens,
                 "specagent.spec_decode.acceptance_rate": stats.acceptance_rate,
                 "specagent.spec_decode.mean_acceptance_length": stats.mean_acceptance_length,
                 "specagent.spec_decode.accepted_per_position": list(stats.accepted_per_position),
@@ -220,6 +221,8 @@ class Telemetry:
                 "specagent.ttft_s": stats.ttft_s,
                 "specagent.tokens_per_s": stats.tokens_per_s,
             }
+            for source, accepted in sorted(stats.accepted_by_source.items()):
+                attrs[f"specagent.spec_decode.accepted_tokens.{source}"] = accepted
             if stats.divergence is not None:
                 attrs["specagent.divergence"] = stats.divergence
                 attrs["specagent.fell_back_to_lossless"] = stats.fell_back_to_lossless

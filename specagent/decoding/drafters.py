@@ -48,6 +48,9 @@ class Proposal:
     tokens: list[int]
     probs: torch.Tensor | None = None
     masks: list[torch.Tensor] | None = None
+    source: str = "model"
+    """Where the tokens came from: ``model`` (a draft model or early exit), ``history`` (text
+    already written: this call's or earlier calls'), ``grammar`` (forced by a constraint)."""
 
 
 class TokenConstraint(Protocol):
@@ -55,6 +58,10 @@ class TokenConstraint(Protocol):
 
     def allowed(self) -> torch.Tensor:
         """Boolean mask ``[V]`` of the tokens allowed next."""
+        ...
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar forces next (may be empty), not consumed."""
         ...
 
     def consume(self, tokens: Sequence[int]) -> None: ...
@@ -126,7 +133,10 @@ class PromptLookupDrafter:
         if k <= 0:
             return EMPTY
         follow = lookup_continuation(context, k, self.min_ngram, self.max_ngram)
-        return _admissible(follow, constraint) if follow else EMPTY
+        if not follow:
+            return EMPTY
+        found = _admissible(follow, constraint)
+        return Proposal(found.tokens, masks=found.masks, source="history")
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Lookup has no state to update."""

@@ -29,7 +29,7 @@ import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
 from .cache import ForwardRequest, ModelRunner, PrefixCache, advance, crop_to, prefill
-from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, draft_steps
+from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 
@@ -60,6 +60,11 @@ class DecodeCounters:
     emitted_tokens: int = 0
     divergence_sum: float = 0.0
     fell_back_to_lossless: bool = False
+    num_forced_tokens: int = 0
+    """Tokens a grammar forced, verified with the drafts at no drafting cost (not counted in
+    ``num_draft_tokens``)."""
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    """Accepted tokens per source: ``model``, ``history``, ``grammar``."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -73,20 +78,40 @@ class DecodeCounters:
     def divergence(self) -> float:
         return self.divergence_sum / self.emitted_tokens if self.emitted_tokens else 0.0
 
-    def record(self, proposed: int, verdict: Verdict) -> None:
+    def record(
+        self,
+        proposed: int,
+        verdict: Verdict,
+        forced: int = 0,
+        forced_after: int = 0,
+        source: str = "model",
+    ) -> int:
+        """Count a step that verified ``forced`` grammar tokens, ``proposed`` drafted ones and
+        ``forced_after`` more grammar tokens; returns how many drafted tokens were accepted."""
         self.target_forwards += 1
         self.emitted_tokens += verdict.num_accepted + 1
         self.divergence_sum += sum(verdict.divergences)
+        n = verdict.num_accepted
+        accepted = min(max(n - forced, 0), proposed)
+        if forced or forced_after:
+            self.num_forced_tokens += forced + forced_after
+            after = min(max(n - forced - proposed, 0), forced_after)
+            self._credit("grammar", min(n, forced) + after)
         if proposed:
             self.num_drafts += 1
             self.num_draft_tokens += proposed
-            self.num_accepted_tokens += verdict.num_accepted
+            self.num_accepted_tokens += accepted
+            self._credit(source, accepted)
             if len(self.accepted_per_position) < proposed:
                 self.accepted_per_position.extend(
                     [0] * (proposed - len(self.accepted_per_position))
                 )
-            for i in range(verdict.num_accepted):
+            for i in range(accepted):
                 self.accepted_per_position[i] += 1
+        return accepted
+
+    def _credit(self, source: str, accepted: int) -> None:
+        self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
 
 
 @dataclass
@@ -160,29 +185,39 @@ def speculative_steps(
     while True:
         # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.
         room = min(max_new_tokens - len(output), limit - len(context))
+        forced = _take_forced(constraint, int(min(room - 1, 1 << 30)))
+        room -= len(forced.tokens)
         k = schedule.next_k(int(min(room - 1, 1 << 30))) if drafter is not None else 0
-        if k > 0 and drafter is not None:
-            proposal = yield from draft_steps(drafter, context, k, params, generator, constraint)
+        complete = constraint is not None and constraint.is_stopped()  # forced to the end
+        if k > 0 and drafter is not None and not complete:
+            drafted_from = [*context, *forced.tokens]
+            proposal = yield from draft_steps(
+                drafter, drafted_from, k, params, generator, constraint
+            )
         else:
             proposal = EMPTY
         proposed = len(proposal.tokens)
-        masks = _masks_and_rewind(constraint, proposal) if constraint is not None else None
-        logits = yield ForwardRequest(target, [context[-1], *proposal.tokens], cache)  # [k+1, V]
+        tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
+        step = _joined(forced, proposal, tail)
+        masks = _masks_and_rewind(constraint, step) if constraint is not None else None
+        logits = yield ForwardRequest(target, [context[-1], *step.tokens], cache)  # [k+1, V]
         if logits is None:
             raise RuntimeError("a forward request must be answered with its logits")
         if masks is not None:
             logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
-        verdict = _verify(proposal, logits, params, rule, generator)
+        verdict = _verify(step, logits, params, rule, generator)
         crop_to(cache, len(context) + verdict.num_accepted)
-        counters.record(proposed, verdict)
-        schedule.observe(proposed, verdict.num_accepted)
+        accepted = counters.record(
+            proposed, verdict, len(forced.tokens), len(tail.tokens), proposal.source
+        )
+        schedule.observe(proposed, accepted)
         if drafter is not None:
-            drafter.observe(proposed, verdict.num_accepted)
+            drafter.observe(proposed, accepted)
         if rule is not None and max_divergence is not None and counters.divergence > max_divergence:
             rule = None
             counters.fell_back_to_lossless = True
 
-        new = [*proposal.tokens[: verdict.num_accepted], verdict.next_token]
+        new = [*step.tokens[: verdict.num_accepted], verdict.next_token]
         finish: str | None = None
         for i, token in enumerate(new):
             if token in eos:
@@ -206,6 +241,40 @@ def speculative_steps(
             yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
             return
         yield DecodeEvent(new, counters)
+
+
+def _take_forced(constraint: TokenConstraint | None, limit: int) -> Proposal:
+    """The tokens the grammar forces next (at most ``limit``), consumed into it, with their
+    masks: free to draft, and accepted whenever the constrained target allows only them."""
+    if constraint is None or limit <= 0 or constraint.is_stopped():
+        return EMPTY
+    tokens = constraint.forced()[:limit]
+    if not tokens:
+        return EMPTY
+    taken = _admissible(tokens, constraint)
+    return Proposal(taken.tokens, masks=taken.masks, source="grammar")
+
+
+def _joined(forced: Proposal, proposal: Proposal, tail: Proposal) -> Proposal:
+    """One step's proposal: forced tokens, the drafter's, forced tokens again. A drafter that
+    samples gives q for its own tokens; forced ones are proposed deterministically (one-hot)."""
+    if not forced.tokens and not tail.tokens:
+        return proposal
+    tokens = [*forced.tokens, *proposal.tokens, *tail.tokens]
+    masks = [*(forced.masks or []), *(proposal.masks or []), *(tail.masks or [])]
+    probs = proposal.probs
+    if probs is not None:
+        probs = torch.cat([_one_hot(forced.tokens, probs), probs, _one_hot(tail.tokens, probs)])
+    return Proposal(tokens, probs=probs, masks=masks or None, source=proposal.source)
+
+
+def _one_hot(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
+    """``[len(tokens), V]`` rows of q for deterministically proposed tokens."""
+    rows = like.new_zeros(len(tokens), like.shape[-1])
+    if tokens:
+        index = torch.tensor(tokens, dtype=torch.long, device=like.device)
+        rows[torch.arange(len(tokens), device=like.device), index] = 1.0
+    return rows
 
 
 def _masks_and_rewind(constraint: TokenConstraint, proposal: Proposal) -> torch.Tensor:
@@ -247,8 +316,7 @@ def _verify(
         return verify_greedy(draft, logits, rule=rule, generator=generator)
     p = logits_to_probs(logits, params)  # [k+1, V]
     if q is None:  # deterministic proposal: q is one-hot on the proposed tokens
-        q = torch.zeros(len(tokens), p.shape[-1], device=p.device)
-        q[torch.arange(len(tokens), device=p.device), draft] = 1.0
+        q = _one_hot(tokens, p)
     if rule is None:
         return verify_lossless(draft, q, p, generator)
     return verify_relaxed(draft, q, p, rule, generator)

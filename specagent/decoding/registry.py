@@ -7,7 +7,7 @@ else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,7 +16,9 @@ from .cache import ModelRunner, PrefixCache
 from .costs import CostModel
 from .draft_model import build_draft_model, build_early_exit, check_early_exit, early_exit_layers
 from .drafters import Drafter, build_no_drafter, build_prompt_lookup
+from .history import SuffixIndex
 from .schedule import Schedule
+from .suffix import build_auto, build_suffix
 
 __all__ = [
     "DRAFTERS",
@@ -39,6 +41,7 @@ class DrafterSettings(Protocol):
     early_exit_layers: int | None
     min_ngram: int
     max_ngram: int
+    history: str
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class DraftingParts:
     shallow: Callable[[int], ModelRunner]
     """A runner over the target's first n layers (early exit), made once per n."""
     num_layers: int
+    history: Sequence[SuffixIndex] = ()
+    """Earlier calls' text this call may draft from (its policy's history scope and tenant)."""
 
 
 Build = Callable[[Any, DraftingParts], "tuple[Drafter | None, Schedule]"]
@@ -80,6 +85,8 @@ DRAFTERS: Mapping[str, DrafterKind] = {
         lambda config, parts: parts.shallow(early_exit_layers(config, parts.num_layers)),
         check=check_early_exit,
     ),
+    "suffix": DrafterKind(build_suffix),
+    "auto": DrafterKind(build_auto, lambda config, parts: parts.draft),
     "none": DrafterKind(build_no_drafter),
 }
 

@@ -64,6 +64,14 @@ class DrafterConfig(_Strict):
     """For ``prompt_lookup``: shortest n-gram to match."""
     max_ngram: int = Field(default=3, ge=1, le=16)
     """For ``prompt_lookup``: longest n-gram to match (tried first)."""
+    history: Literal["none", "call", "policy", "tenant", "runtime"] = "call"
+    """For ``suffix`` and ``auto``: whose text may propose tokens for this policy's calls, and
+    where this policy's calls leave theirs. ``none``: no text at all (``auto`` then chooses
+    between the draft model and plain decoding); ``call``: the call's own prompt and output,
+    nothing kept after it; ``policy``: earlier calls of this policy and tenant; ``tenant``:
+    earlier calls of this tenant under any policy that shares at tenant scope; ``runtime``:
+    every earlier call on the runtime (single-tenant deployments: a call that names a tenant is
+    refused). A tenant's text never drafts for another tenant's call."""
 
     @field_validator("kind", "fallback")
     @classmethod

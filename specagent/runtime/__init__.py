@@ -31,6 +31,7 @@ from opentelemetry import context as otel_context
 from ..chat import Prompt
 from ..decoding.cache import PrefixCache
 from ..decoding.costs import CostModel
+from ..decoding.history import HistoryStore
 from ..errors import GenerationError
 from ..grammar import Constraint
 from ..machine import ProbeStore
@@ -82,6 +83,7 @@ class SpecRuntime:
         max_active: int = 64,
         max_queue: int = 256,
         prefix_cache_tokens: int = 65536,
+        history_tokens: int = 32768,
         batching: bool = True,
         tracer_provider: Any | None = None,
         meter_provider: Any | None = None,
@@ -135,6 +137,7 @@ class SpecRuntime:
             store=probe_store,
             longest=max(p.drafter.num_speculative_tokens for p in self.policies) + 1,
             decode_text=self._decode_text,
+            history=HistoryStore(history_tokens) if history_tokens > 0 else None,
         )
 
     @classmethod
@@ -183,6 +186,7 @@ class SpecRuntime:
             "max_active": self.max_active,
             "max_queue": self.max_queue,
             "prefix_cache_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
+            "history_tokens": self.history.max_tokens if self.history else 0,
             "batching": self.batching,
             "tracer_provider": self._telemetry.tracer_provider,
             "meter_provider": self._telemetry.meter_provider,
@@ -202,6 +206,12 @@ class SpecRuntime:
         if isinstance(policy, str):
             policy = self.policies[policy]
         return self._engine.costs.measured(self._engine.cost_runner(policy))
+
+    @property
+    def history(self) -> HistoryStore | None:
+        """Earlier calls' text that ``suffix``/``auto`` policies draft from, per scope and
+        tenant (``history_tokens`` bounds it; ``history.stats()`` says what it holds)."""
+        return self._engine.history
 
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
@@ -271,13 +281,15 @@ class SpecRuntime:
         timeout: float | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         constraint: Constraint | None = None,
+        tenant: str | None = None,
         parent_context: otel_context.Context | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
 
         ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
         ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
-        a grammar or a regex, enforced on draft and target alike."""
+        a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
+        is for: a ``suffix``/``auto`` policy drafts only from that tenant's earlier calls."""
         request = self._admission.request(
             prompt,
             policy,
@@ -290,6 +302,7 @@ class SpecRuntime:
             seed,
             tools,
             constraint,
+            tenant,
         )
         call = self._start_span(request, parent_context)
         sink = AsyncSink()

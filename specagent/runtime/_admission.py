@@ -39,6 +39,10 @@ class Request:
     seed: int
     explicit_max_tokens: bool
     grammar: GrammarState | None = None
+    tenant: str | None = None
+    history_key: tuple[str | None, ...] | None = None
+    """Whose earlier text this call may draft from, and where its own text is kept (None:
+    its own context only, nothing kept)."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +69,12 @@ class Admission:
         seed: int | None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         constraint: Constraint | None = None,
+        tenant: str | None = None,
     ) -> Request:
         if isinstance(tags, str):
             tags = (tags,)
         policy = self.policies.resolve(policy_name, tags)
+        key = history_key(policy, tenant)
         overrides = {
             key: value
             for key, value in {
@@ -127,7 +133,33 @@ class Admission:
             seed=call_seed,
             explicit_max_tokens="max_new_tokens" in overrides,
             grammar=grammar,
+            tenant=tenant,
+            history_key=key,
         )
+
+
+def history_key(policy: Policy, tenant: str | None) -> tuple[str | None, ...] | None:
+    """The key of the history a call reads and writes (``drafter.history``); the tenant is part
+    of every key but the runtime-wide one, which refuses calls that name a tenant."""
+    if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= 256):
+        raise InvalidRequestError("tenant must be a non-empty string of at most 256 characters")
+    if policy.drafter.kind not in ("suffix", "auto"):
+        return None
+    scope = policy.drafter.history
+    if scope in ("none", "call"):
+        return None
+    if scope == "policy":
+        return ("policy", tenant, policy.name)
+    if scope == "tenant":
+        return ("tenant", tenant)
+    if tenant is not None:
+        msg = (
+            f"policy {policy.name!r} shares drafting history across the whole runtime "
+            "(drafter.history: runtime), so it cannot serve a call that names a tenant; "
+            "use drafter.history: tenant"
+        )
+        raise InvalidRequestError(msg)
+    return ("runtime",)
 
 
 def drafter_kind(policy: Policy, has_draft_model: bool) -> str:

@@ -95,4 +95,6 @@ class CallAssembler:
             tokens_per_s=output_tokens / latency if latency > 0 else 0.0,
             divergence=counters.divergence if relaxed else None,
             fell_back_to_lossless=counters.fell_back_to_lossless,
+            num_forced_tokens=counters.num_forced_tokens,
+            accepted_by_source=dict(counters.accepted_by_source),
         )

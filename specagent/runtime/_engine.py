@@ -4,14 +4,16 @@ cost book is thread-safe for ``step_costs`` from elsewhere)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+import dataclasses
+from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any
 
 import torch
 
 from ..decoding.cache import ModelRunner, PrefixCache, early_exit_view
 from ..decoding.costs import CostBook
-from ..decoding.loop import DecodeSteps, speculative_steps
+from ..decoding.history import HistoryStore
+from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.stopping import StopStrings
@@ -37,6 +39,7 @@ class Engine:
         store: ProbeStore | None,
         longest: int,
         decode_text: Callable[[Sequence[int]], str],
+        history: HistoryStore | None = None,
     ) -> None:
         self.target = target
         self.vocab_size = vocab_size
@@ -44,6 +47,8 @@ class Engine:
         self.context_window = context_window
         self.prefixes = prefixes
         self.decode_text = decode_text
+        self.history = history
+        """Earlier calls' text, per scope key (``drafter.history``)."""
         self.num_layers = int(getattr(target.config, "num_hidden_layers", 0))
         self.target_runner = ModelRunner(target)  # type: ignore[arg-type]
         self.draft_runner = (
@@ -58,6 +63,7 @@ class Engine:
         measured costs where they cover this engine's longest draft."""
         self.target_runner, self.draft_runner = other.target_runner, other.draft_runner
         self.shallow_runners = other.shallow_runners
+        self.history = other.history
         longest = self.costs.longest
         if other.costs.covers(longest):
             self.use_costs(other.costs)
@@ -99,10 +105,14 @@ class Engine:
         """The decoding coroutine of one call."""
         policy = request.policy
         kind = DRAFTERS[drafter_kind(policy, self.draft_runner is not None)]
-        drafter, schedule = kind.build(policy.drafter, self.parts)
+        key, history = request.history_key, self.history
+        parts = self.parts
+        if key is not None and history is not None:
+            parts = dataclasses.replace(parts, history=history.indexes(key))
+        drafter, schedule = kind.build(policy.drafter, parts)
         acceptance = policy.acceptance
         stops: Any = StopStrings(request.stop, self.decode_text) if request.stop else None
-        return speculative_steps(
+        steps = speculative_steps(
             self.target_runner,
             request.prompt_ids,
             params=request.params,
@@ -118,3 +128,24 @@ class Engine:
             constraint=request.grammar,
             prefixes=self.prefixes,
         )
+        if key is None or history is None:
+            return steps
+        return _recorded(steps, history, key, request.prompt_ids)
+
+
+def _recorded(
+    steps: DecodeSteps, history: HistoryStore, key: Hashable, prompt: list[int]
+) -> DecodeSteps:
+    """``steps``, keeping the call's prompt and output in ``history`` when it finishes (a call
+    that fails or is cancelled leaves nothing)."""
+    try:
+        reply: torch.Tensor | None = None
+        while True:
+            item = steps.send(reply)
+            if isinstance(item, DecodeEvent) and item.finish_reason is not None:
+                history.record(key, prompt, item.output_ids or [])
+            reply = yield item
+    except StopIteration:
+        return
+    finally:
+        steps.close()

@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 import torch
@@ -34,14 +34,9 @@ __all__ = ["AsyncSink", "Job", "Worker"]
 log = logging.getLogger("specagent.runtime")
 
 
-class Sink(Protocol):
-    """Where the worker puts a call's events. ``put`` never blocks the worker."""
-
-    def put(self, item: tuple[str, Any]) -> None: ...
-
-
 class AsyncSink:
-    """Events for a caller on an anyio event loop (asyncio or trio), woken thread-safely."""
+    """Where the worker puts a call's events for a caller on an anyio event loop (asyncio or
+    trio): ``put`` never blocks the worker and wakes the caller's loop thread-safely."""
 
     def __init__(self) -> None:
         self._items: collections.deque[tuple[str, Any]] = collections.deque()
@@ -89,7 +84,7 @@ def _loop_waker() -> Callable[[Callable[[], None]], None]:
 class Job:
     request: Any
     """The validated call (``_admission.Request``)."""
-    sink: Sink
+    sink: AsyncSink
     cancelled: threading.Event = field(default_factory=threading.Event)
     steps: DecodeSteps | None = None
     pending: ForwardRequest | None = None

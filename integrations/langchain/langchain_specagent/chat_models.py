@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
@@ -22,13 +21,7 @@ from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
-    ChatMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
 )
-from langchain_core.messages.ai import UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import (
     JsonOutputKeyToolsParser,
@@ -44,8 +37,10 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from specagent import IncompleteOutputError, SpecRuntime
 from specagent.backend import Backend
-from specagent.calls import CallChunk, CallSpec, run_call, tool_choice_name
+from specagent.calls import CallSpec, run_call, tool_choice_name
 from specagent.runtime.portal import iterate_sync
+
+from ._translate import final_chunk, to_chat_message
 
 __all__ = ["ChatSpecAgent"]
 
@@ -340,7 +335,7 @@ class ChatSpecAgent(BaseChatModel):
         kwargs.pop("model", None)
         stops = list(stop or []) + list(kwargs.pop("stop", None) or []) + list(self.stop or [])
         call = CallSpec.build(
-            [_to_chat_message(m) for m in messages],
+            [to_chat_message(m) for m in messages],
             backend=self._runtime(),
             policy=kwargs.pop("policy", None) or metadata.get(POLICY_METADATA_KEY) or None,
             tags=list(getattr(run_manager, "tags", None) or []),
@@ -370,51 +365,9 @@ class ChatSpecAgent(BaseChatModel):
                 if chunk.result is None:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
                 else:
-                    yield self._final_chunk(chunk)
+                    yield final_chunk(chunk, self._model_name())
         except IncompleteOutputError as exc:
             raise OutputParserException(str(exc), llm_output=exc.output) from exc
-
-    def _final_chunk(self, chunk: CallChunk) -> ChatGenerationChunk:
-        result = chunk.result
-        assert result is not None
-        stats = result.stats
-        tool_call_chunks = [
-            tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
-            for i, c in enumerate(chunk.tool_calls)
-        ]
-        message = AIMessageChunk(
-            content=chunk.content,
-            tool_call_chunks=tool_call_chunks,
-            usage_metadata=UsageMetadata(
-                input_tokens=result.usage.input_tokens,
-                output_tokens=result.usage.output_tokens,
-                total_tokens=result.usage.total_tokens,
-            ),
-            response_metadata={
-                "model_name": self._model_name(),
-                "model_provider": "specagent",
-                "finish_reason": chunk.finish_reason,
-                "specagent": {
-                    "policy": stats.policy,
-                    "mode": stats.mode,
-                    "seed": result.seed,
-                    **stats.as_dict(),
-                },
-            },
-            chunk_position="last",
-        )
-        return ChatGenerationChunk(
-            message=message,
-            generation_info={
-                "finish_reason": chunk.finish_reason,
-                "token_usage": {
-                    "prompt_tokens": result.usage.input_tokens,
-                    "completion_tokens": result.usage.output_tokens,
-                    "total_tokens": result.usage.total_tokens,
-                },
-                "model_name": self._model_name(),
-            },
-        )
 
     def _with_llm_output(self, result: ChatResult) -> ChatResult:
         """``llm_output`` with token usage, as OpenAI-style integrations report it."""
@@ -443,51 +396,3 @@ def _json_parser(schema: Any, is_pydantic: bool) -> Runnable[Any, Any]:
     if is_pydantic:
         return PydanticOutputParser(pydantic_object=schema)
     return JsonOutputParser()
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content or []:
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            parts.append(str(part.get("text", "")))
-        elif isinstance(part, dict) and part.get("type") in {"tool_use", "tool_call"}:
-            continue  # carried by tool_calls
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(f"ChatSpecAgent takes text content only; got a {kind!r} block")
-    return "".join(parts)
-
-
-def _to_chat_message(message: BaseMessage) -> dict[str, Any]:
-    """LangChain message -> the dict a Hugging Face chat template expects."""
-    text = _content_text(message.content)
-    if isinstance(message, SystemMessage):
-        return {"role": "system", "content": text}
-    if isinstance(message, HumanMessage):
-        return {"role": "user", "content": text}
-    if isinstance(message, AIMessage):
-        out: dict[str, Any] = {"role": "assistant", "content": text}
-        if message.tool_calls:
-            out["tool_calls"] = [
-                {
-                    "type": "function",
-                    "id": call.get("id"),
-                    "function": {"name": call["name"], "arguments": call["args"]},
-                }
-                for call in message.tool_calls
-            ]
-        return out
-    if isinstance(message, ToolMessage):
-        return {
-            "role": "tool",
-            "content": text,
-            "tool_call_id": message.tool_call_id,
-            "name": getattr(message, "name", None),
-        }
-    if isinstance(message, ChatMessage):
-        return {"role": message.role, "content": text}
-    raise ValueError(f"unsupported message type {type(message).__name__}")

@@ -1,0 +1,115 @@
+"""Translation between LangChain's messages and chunks and specagent's calls."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.outputs import ChatGenerationChunk
+
+from specagent.calls import CallChunk
+
+__all__ = ["final_chunk", "to_chat_message"]
+
+
+def final_chunk(chunk: CallChunk, model_name: str) -> ChatGenerationChunk:
+    """The last chunk of a call: content, tool calls, usage and the specagent stats."""
+    result = chunk.result
+    assert result is not None
+    stats = result.stats
+    tool_call_chunks = [
+        tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i)
+        for i, c in enumerate(chunk.tool_calls)
+    ]
+    message = AIMessageChunk(
+        content=chunk.content,
+        tool_call_chunks=tool_call_chunks,
+        usage_metadata=UsageMetadata(
+            input_tokens=result.usage.input_tokens,
+            output_tokens=result.usage.output_tokens,
+            total_tokens=result.usage.total_tokens,
+        ),
+        response_metadata={
+            "model_name": model_name,
+            "model_provider": "specagent",
+            "finish_reason": chunk.finish_reason,
+            "specagent": {
+                "policy": stats.policy,
+                "mode": stats.mode,
+                "seed": result.seed,
+                **stats.as_dict(),
+            },
+        },
+        chunk_position="last",
+    )
+    return ChatGenerationChunk(
+        message=message,
+        generation_info={
+            "finish_reason": chunk.finish_reason,
+            "token_usage": {
+                "prompt_tokens": result.usage.input_tokens,
+                "completion_tokens": result.usage.output_tokens,
+                "total_tokens": result.usage.total_tokens,
+            },
+            "model_name": model_name,
+        },
+    )
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content or []:
+        if isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") in {"tool_use", "tool_call"}:
+            continue  # carried by tool_calls
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"ChatSpecAgent takes text content only; got a {kind!r} block")
+    return "".join(parts)
+
+
+def to_chat_message(message: BaseMessage) -> dict[str, Any]:
+    """LangChain message -> the dict a Hugging Face chat template expects."""
+    text = _content_text(message.content)
+    if isinstance(message, SystemMessage):
+        return {"role": "system", "content": text}
+    if isinstance(message, HumanMessage):
+        return {"role": "user", "content": text}
+    if isinstance(message, AIMessage):
+        out: dict[str, Any] = {"role": "assistant", "content": text}
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": call.get("id"),
+                    "function": {"name": call["name"], "arguments": call["args"]},
+                }
+                for call in message.tool_calls
+            ]
+        return out
+    if isinstance(message, ToolMessage):
+        return {
+            "role": "tool",
+            "content": text,
+            "tool_call_id": message.tool_call_id,
+            "name": getattr(message, "name", None),
+        }
+    if isinstance(message, ChatMessage):
+        return {"role": message.role, "content": text}
+    raise ValueError(f"unsupported message type {type(message).__name__}")

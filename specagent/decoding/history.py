@@ -1,0 +1,245 @@
+"""Text that earlier calls wrote, as a source of drafts: agents quote tool results, rewrite their
+own answers, return a function again with one change, and extract the same JSON shape from
+document after document.
+
+``SuffixIndex`` indexes token sequences by their n-grams (a few lengths, longest tried first):
+looking up a context finds every earlier place where its last n tokens occurred, and the
+continuation is grown token by token by a vote among those places (the most frequent next token,
+then only the places that agree), each token with its share of the vote as a confidence. A lookup
+costs what the match and the draft cost, never the size of the history: an n-gram is one dict
+probe and at most ``max_occurrences`` places (the most recent) are kept per n-gram.
+
+``HistoryStore`` keeps one index per scope key (``drafter.history``: per policy, per tenant or the
+whole runtime, always within one tenant) under a total token budget, the oldest documents evicted
+first. The scope is a security boundary: a call reads only the indexes of its own key, so one
+tenant's text can never be proposed to another tenant's call.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Continuation", "HistoryStore", "SuffixIndex"]
+
+NGRAMS = (2, 3, 5, 8)
+"""Match lengths, longest tried first. One token matches by chance too often to be worth a
+verification; eight already pins a place in the text."""
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What followed the context's longest match: tokens with their vote shares."""
+
+    tokens: list[int]
+    confidences: list[float]
+    match_length: int
+
+
+EMPTY = Continuation([], [], 0)
+
+
+class SuffixIndex:
+    """N-gram index over documents (token sequences), with removal."""
+
+    def __init__(self, ngrams: Sequence[int] = NGRAMS, max_occurrences: int = 32) -> None:
+        self.ngrams = tuple(sorted(set(ngrams)))
+        self.max_occurrences = max_occurrences
+        self.docs: dict[int, list[int]] = {}
+        self._places: dict[tuple[int, ...], collections.deque[tuple[int, int]]] = {}
+        self._entries = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(doc) for doc in self.docs.values())
+
+    @property
+    def entries(self) -> int:
+        """Index entries held (places over all n-grams): the index's memory, besides the text."""
+        return self._entries
+
+    def add(self, doc_id: int, tokens: Sequence[int]) -> None:
+        """Index a new document."""
+        self.docs[doc_id] = []
+        self.extend(doc_id, tokens)
+
+    def extend(self, doc_id: int, tokens: Sequence[int]) -> None:
+        """Append to a document (a call's context as it grows): only the n-grams that end in
+        the new tokens are indexed."""
+        doc = self.docs[doc_id]
+        start = len(doc)
+        doc.extend(tokens)
+        for end in range(start + 1, len(doc) + 1):
+            for n in self.ngrams:
+                if end < n:
+                    break
+                key = tuple(doc[end - n : end])
+                places = self._places.get(key)
+                if places is None:
+                    places = self._places[key] = collections.deque(maxlen=self.max_occurrences)
+                if len(places) == places.maxlen:
+                    self._entries -= 1
+                places.append((doc_id, end))
+                self._entries += 1
+
+    def remove(self, doc_id: int) -> None:
+        doc = self.docs.pop(doc_id, None)
+        if doc is None:
+            return
+        for end in range(1, len(doc) + 1):
+            for n in self.ngrams:
+                if end < n:
+                    break
+                key = tuple(doc[end - n : end])
+                places = self._places.get(key)
+                if places is None:
+                    continue
+                kept = [p for p in places if p[0] != doc_id]
+                self._entries -= len(places) - len(kept)
+                if kept:
+                    self._places[key] = collections.deque(kept, maxlen=self.max_occurrences)
+                else:
+                    del self._places[key]
+
+    def places(self, context: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
+        """Where the context's longest indexed suffix occurred (most recent last) and its
+        length; places with nothing after them are left out."""
+        for n in reversed(self.ngrams):
+            if len(context) < n:
+                continue
+            found = self._places.get(tuple(context[len(context) - n :]))
+            if found:
+                live = [(d, end) for d, end in found if end < len(self.docs[d])]
+                if live:
+                    return live, n
+        return [], 0
+
+
+def continuation(
+    indexes: Sequence[SuffixIndex], context: Sequence[int], limit: int
+) -> Continuation:
+    """The continuation most often seen after the context's longest match in any of
+    ``indexes`` (the longest match wins; equal lengths pool their places)."""
+    if limit <= 0:
+        return EMPTY
+    best: list[tuple[SuffixIndex, int, int]] = []
+    best_n = 0
+    for index in indexes:
+        places, n = index.places(context)
+        if n > best_n:
+            best, best_n = [(index, d, end) for d, end in places], n
+        elif n == best_n and n > 0:
+            best.extend((index, d, end) for d, end in places)
+    if not best:
+        return EMPTY
+    tokens: list[int] = []
+    confidences: list[float] = []
+    live = best
+    for offset in range(limit):
+        votes: collections.Counter[int] = collections.Counter()
+        latest: dict[int, int] = {}
+        for rank, (index, d, end) in enumerate(live):
+            doc = index.docs[d]
+            if end + offset < len(doc):
+                token = doc[end + offset]
+                votes[token] += 1
+                latest[token] = rank
+        if not votes:
+            break
+        total = sum(votes.values())
+        # The most frequent next token; ties go to the most recent place.
+        token = max(votes, key=lambda t: (votes[t], latest[t]))
+        tokens.append(token)
+        confidences.append(votes[token] / total)
+        live = [
+            (index, d, end)
+            for index, d, end in live
+            if end + offset < len(index.docs[d]) and index.docs[d][end + offset] == token
+        ]
+    return Continuation(tokens, confidences, best_n)
+
+
+class HistoryStore:
+    """Earlier calls' prompts and outputs, one ``SuffixIndex`` per scope key, within a total
+    token budget (oldest documents evicted first). Thread-safe."""
+
+    def __init__(self, max_tokens: int = 32768, max_documents: int = 4096) -> None:
+        self.max_tokens = max_tokens
+        self.max_documents = max_documents
+        self._indexes: dict[Hashable, SuffixIndex] = {}
+        self._order: collections.OrderedDict[int, Hashable] = collections.OrderedDict()
+        self._last: dict[Hashable, list[int]] = {}
+        self._ids = itertools.count()
+        self._tokens = 0
+        self._lock = threading.Lock()
+
+    def indexes(self, key: Hashable) -> list[SuffixIndex]:
+        """The indexes a call under ``key`` may read: its own key's, nothing else."""
+        with self._lock:
+            index = self._indexes.get(key)
+            return [index] if index is not None else []
+
+    def record(self, key: Hashable, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Keep a finished call's text under ``key``. The part of the prompt it shares with the
+        previous call under the same key (the system prompt, tool schemas, earlier turns) is
+        stored once, so an agent resending its conversation does not fill the budget."""
+        with self._lock:
+            previous = self._last.get(key, [])
+            shared = 0
+            for a, b in zip(previous, prompt, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            # Keep a few shared tokens so the n-grams across the cut still match.
+            start = max(0, shared - max(NGRAMS))
+            text = [*prompt[start:], *output]
+            self._last[key] = [*prompt, *output]
+            if not text:
+                return
+            doc_id = next(self._ids)
+            index = self._indexes.get(key)
+            if index is None:
+                index = self._indexes[key] = SuffixIndex()
+            index.add(doc_id, text)
+            self._order[doc_id] = key
+            self._tokens += len(text)
+            while self._order and (
+                self._tokens > self.max_tokens or len(self._order) > self.max_documents
+            ):
+                self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        doc_id, key = self._order.popitem(last=False)
+        index = self._indexes[key]
+        self._tokens -= len(index.docs.get(doc_id, ()))
+        index.remove(doc_id)
+        if not index.docs:
+            del self._indexes[key]
+            self._last.pop(key, None)
+
+    def clear(self, key: Hashable | None = None) -> None:
+        """Forget everything (or one key's history)."""
+        with self._lock:
+            for doc_id, owner in list(self._order.items()):
+                if key is None or owner == key:
+                    self._order.pop(doc_id)
+                    index = self._indexes[owner]
+                    self._tokens -= len(index.docs.get(doc_id, ()))
+                    index.remove(doc_id)
+            for owner in [k for k, i in self._indexes.items() if not i.docs]:
+                del self._indexes[owner]
+                self._last.pop(owner, None)
+
+    def stats(self) -> dict[str, int]:
+        """Memory held: tokens, documents, scope keys and index entries."""
+        with self._lock:
+            return {
+                "tokens": self._tokens,
+                "max_tokens": self.max_tokens,
+                "documents": len(self._order),
+                "keys": len(self._indexes),
+                "entries": sum(i.entries for i in self._indexes.values()),
+            }

@@ -1,0 +1,199 @@
+"""Drafting from text already written: ``SuffixDrafter`` (the call's own context and the history
+its policy may read) and ``AutoDrafter``, which picks per step between a history match, the
+draft model and plain decoding by expected tokens per unit of cost.
+
+A history draft is free to make: its only cost is verifying it. Its length comes from the match:
+each token carries its share of the vote among the places that matched (``history``), calibrated
+by what the target accepted of earlier history drafts, and the draft is cut where one more token
+is expected to cost more than it brings (``costs.most_per_cost`` over the verify curve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache import ForwardRequest
+from .costs import CostModel, expected_tokens, most_per_cost
+from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
+from .history import Continuation, SuffixIndex, continuation
+from .sampling import SamplingParams
+from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
+
+if TYPE_CHECKING:
+    from .registry import DrafterSettings, DraftingParts
+
+__all__ = ["AutoDrafter", "SuffixDrafter", "build_auto", "build_suffix"]
+
+
+class SuffixDrafter:
+    """Proposes what most often followed the context's longest match, in the call's own context
+    (prompt and output so far) and in the earlier calls of ``shared`` indexes."""
+
+    name = "suffix"
+
+    def __init__(
+        self,
+        shared: Sequence[SuffixIndex] = (),
+        costs: CostModel | None = None,
+        own_context: bool = True,
+    ) -> None:
+        self.shared = list(shared)
+        self.costs = costs or CostModel()
+        self.own = SuffixIndex() if own_context else None
+        self._indexed: list[int] = []
+        self._tested_confidence = 2.0
+        self._tested_hits = 1.6
+        """Decayed sums over judged history tokens: their vote shares, and how many the target
+        accepted (prior: 80% of the vote share)."""
+        self._last_confidences: list[float] = []
+
+    def candidate(self, context: list[int], limit: int) -> tuple[Continuation, float]:
+        """The draft worth proposing (cut by cost) and its expected tokens per unit of cost."""
+        self._sync(context)
+        indexes = [self.own, *self.shared] if self.own is not None else self.shared
+        found = continuation(indexes, context, limit)
+        if not found.tokens:
+            return found, 0.0
+        calibration = self._tested_hits / self._tested_confidence
+        gains, chance = [1.0], 1.0
+        for confidence in found.confidences:
+            chance *= min(confidence * calibration, 0.999)
+            gains.append(gains[-1] + chance)
+        costs = [self.costs.verify_cost(n + 1) for n in range(len(gains))]
+        length = most_per_cost(gains, costs)
+        kept = Continuation(found.tokens[:length], found.confidences[:length], found.match_length)
+        return kept, gains[length] / costs[length]
+
+    def take(self, found: Continuation, constraint: TokenConstraint | None) -> Proposal:
+        """Propose ``found`` (the admissible part under a constraint)."""
+        proposal = _admissible(list(found.tokens), constraint) if found.tokens else EMPTY
+        self._last_confidences = found.confidences[: len(proposal.tokens)]
+        return Proposal(proposal.tokens, masks=proposal.masks, source="history")
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Proposal:
+        found, _ = self.candidate(context, k)
+        return self.take(found, constraint)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        judged = self._last_confidences[: min(accepted + 1, proposed)]
+        self._tested_confidence = self._tested_confidence * 0.9 + sum(judged)
+        self._tested_hits = self._tested_hits * 0.9 + accepted
+
+    def _sync(self, context: list[int]) -> None:
+        """Index the context's new tokens (a call's context only grows, unless a drafter was
+        handed tokens that were then rejected: then start over)."""
+        if self.own is None:
+            return
+        known = len(self._indexed)
+        if context[:known] != self._indexed:
+            self.own.remove(0)
+            self._indexed, known = [], 0
+            self.own.add(0, [])
+        elif 0 not in self.own.docs:
+            self.own.add(0, [])
+        new = context[known:]
+        self.own.extend(0, new)
+        self._indexed.extend(new)
+
+
+class AutoDrafter:
+    """Per step, the best of: a history match (free to draft), the draft model (when the runtime
+    has one; its own adaptive schedule says whether and how well it pays), and plain decoding,
+    by expected tokens per unit of cost."""
+
+    name = "auto"
+
+    def __init__(
+        self,
+        history: SuffixDrafter,
+        model: Drafter | None = None,
+        schedule: Schedule | None = None,
+    ) -> None:
+        self.history = history
+        self.model = model
+        self.schedule = schedule
+        self._source: str | None = None
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Proposal:
+        from .drafters import run_inline
+
+        return run_inline(self.propose_steps(context, k, params, generator, constraint))
+
+    def propose_steps(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        found, history_rate = self.history.candidate(context, k)
+        model_k, model_rate = 0, 0.0
+        if self.model is not None and self.schedule is not None:
+            model_k = self.schedule.next_k(k)
+            if model_k > 0 and isinstance(self.schedule, AdaptiveSchedule):
+                best = max(self.schedule.best_k(), 1)
+                costs = self.schedule.costs
+                model_rate = expected_tokens(self.schedule.acceptance, best) / costs.step_cost(best)
+            elif model_k > 0:  # a fixed k: the policy asked for the draft model at every step
+                model_rate = 1.0
+        self._source = None
+        if found.tokens and history_rate >= max(model_rate, 1.0):
+            self._source = "history"
+            return self.history.take(found, constraint)
+        if self.model is not None and model_k > 0:
+            self._source = "model"
+            proposal: Proposal = yield from draft_steps(
+                self.model, context, model_k, params, generator, constraint
+            )
+            return proposal
+        return EMPTY
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if self._source == "history":
+            self.history.observe(proposed, accepted)
+        elif self._source == "model" and self.model is not None:
+            self.model.observe(proposed, accepted)
+            if self.schedule is not None:
+                self.schedule.observe(proposed, accepted)
+
+
+def build_suffix(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
+    """The registry's builder for ``suffix``: history drafts, their length from the match."""
+    drafter = _history_drafter(config, parts)
+    return drafter, FixedSchedule(config.num_speculative_tokens)
+
+
+def build_auto(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
+    """The registry's builder for ``auto``: history, the draft model (if any) or plain."""
+    history = _history_drafter(config, parts)
+    if parts.draft is None:
+        return AutoDrafter(history), FixedSchedule(config.num_speculative_tokens)
+    from .draft_model import build_draft_model
+
+    model, schedule = build_draft_model(config, parts)
+    return AutoDrafter(history, model, schedule), FixedSchedule(config.num_speculative_tokens)
+
+
+def _history_drafter(config: DrafterSettings, parts: DraftingParts) -> SuffixDrafter:
+    own = config.history != "none"
+    return SuffixDrafter(parts.history, parts.costs(None), own_context=own)
