@@ -41,6 +41,8 @@ class CallSpec:
     """Chat messages as a Hugging Face chat template takes them."""
     policy: str | None = None
     tags: tuple[str, ...] = ()
+    tenant: str | None = None
+    """Who the call is for: history-drafting policies draft only from this tenant's text."""
     tools: list[dict[str, Any]] | None = None
     """OpenAI function tools offered to the model (None when ``tool_choice`` is "none")."""
     constraint: Constraint | None = None
@@ -62,6 +64,7 @@ class CallSpec:
         backend: Backend | None = None,
         policy: str | None = None,
         tags: Sequence[str] = (),
+        tenant: str | None = None,
         default_policy: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,
@@ -97,6 +100,7 @@ class CallSpec:
             messages=list(messages),
             policy=policy,
             tags=tuple(tags),
+            tenant=tenant,
             tools=offered,
             constraint=constraint,
             forced_tool=constraint is not None and offered is not None,
@@ -109,6 +113,7 @@ class CallSpec:
         return {
             "policy": self.policy,
             "tags": list(self.tags),
+            "tenant": self.tenant,
             "stop": list(self.stop) or None,
             "tools": self.tools,
             "constraint": self.constraint,

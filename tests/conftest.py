@@ -105,3 +105,17 @@ def draft(target: LlamaForCausalLM) -> LlamaForCausalLM:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+SMALL_VOCAB = 12
+"""A vocabulary small enough to enumerate every continuation (the distribution tests)."""
+
+
+@pytest.fixture(scope="module")
+def small_target() -> LlamaForCausalLM:
+    return make_model(SMALL_VOCAB, layers=2, seed=11, hidden=32, init=0.4)
+
+
+@pytest.fixture(scope="module")
+def small_draft() -> LlamaForCausalLM:
+    return make_model(SMALL_VOCAB, layers=1, seed=12, hidden=32, init=0.4)

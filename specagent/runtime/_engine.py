@@ -60,10 +60,10 @@ class Engine:
 
     def share(self, other: Engine) -> None:
         """Use ``other``'s runners (same models: kernels and caches of shapes are kept) and its
-        measured costs where they cover this engine's longest draft."""
+        measured costs where they cover this engine's longest draft. The history is not shared:
+        each runtime drafts only from the calls it served."""
         self.target_runner, self.draft_runner = other.target_runner, other.draft_runner
         self.shallow_runners = other.shallow_runners
-        self.history = other.history
         longest = self.costs.longest
         if other.costs.covers(longest):
             self.use_costs(other.costs)

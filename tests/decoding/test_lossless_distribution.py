@@ -9,7 +9,6 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from conftest import make_model
 from scipy.stats import chisquare
 
 from specagent.decoding import acceptance
@@ -25,16 +24,6 @@ VOCAB = 12
 PROMPT = [3, 7, 3, 7, 3]
 STEPS = 4
 N = 2000
-
-
-@pytest.fixture(scope="module")
-def small_target() -> torch.nn.Module:
-    return make_model(VOCAB, layers=2, seed=11, hidden=32, init=0.4)
-
-
-@pytest.fixture(scope="module")
-def small_draft() -> torch.nn.Module:
-    return make_model(VOCAB, layers=1, seed=12, hidden=32, init=0.4)
 
 
 def exact_marginals(model: torch.nn.Module, params: SamplingParams) -> np.ndarray:

@@ -46,6 +46,9 @@ __all__ = ["ChatSpecAgent"]
 
 POLICY_METADATA_KEY = "specagent_policy"
 """``config={"metadata": {"specagent_policy": "legal-drafting"}}`` picks a call's policy."""
+TENANT_METADATA_KEY = "specagent_tenant"
+"""``config={"metadata": {"specagent_tenant": "acme"}}`` names who a call is for: policies that
+draft from earlier calls' text draft only from that tenant's."""
 
 
 class ChatSpecAgent(BaseChatModel):
@@ -127,6 +130,8 @@ class ChatSpecAgent(BaseChatModel):
     max_retries: int = 2
     """Retries when the runtime is overloaded or a decoding step failed, before any output."""
     seed: int | None = None
+    tenant: str | None = None
+    """Default tenant of this model's calls (a call's ``specagent_tenant`` metadata wins)."""
     streaming: bool = False
     """Kept for compatibility with LangChain's ``streaming=True``; ``invoke`` always works."""
 
@@ -339,6 +344,7 @@ class ChatSpecAgent(BaseChatModel):
             backend=self._runtime(),
             policy=kwargs.pop("policy", None) or metadata.get(POLICY_METADATA_KEY) or None,
             tags=list(getattr(run_manager, "tags", None) or []),
+            tenant=kwargs.pop("tenant", None) or metadata.get(TENANT_METADATA_KEY) or self.tenant,
             default_policy=self.policy,
             tools=kwargs.pop("tools", None),
             tool_choice=kwargs.pop("tool_choice", None),

@@ -1,0 +1,140 @@
+"""Agent workloads through the runtime: drafting from earlier calls within a tenant only,
+`auto` choosing between history, the draft model and plain decoding, grammar-forced tokens, and
+greedy outputs equal to plain decoding across multi-turn episodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from specagent import InvalidRequestError, Policy, SpecRuntime
+from specagent.grammar import Constraint
+
+PLAIN = Policy(name="plain", description="no drafting", mode="lossless", drafter={"kind": "none"})
+
+
+def _policy(name: str, kind: str, history: str, k: int = 8) -> Policy:
+    return Policy(
+        name=name,
+        description=f"{kind} drafting, history {history}",
+        mode="lossless",
+        drafter={"kind": kind, "num_speculative_tokens": k, "history": history},
+    )
+
+
+SUFFIX_TENANT = _policy("suffix-tenant", "suffix", "tenant")
+AUTO_TENANT = _policy("auto-tenant", "auto", "tenant")
+SHARED = _policy("shared", "suffix", "runtime")
+
+PROMPT = [{"role": "user", "content": "Summarise the meeting notes for the team."}]
+
+
+def _history_accepted(result) -> int:
+    return int(result.stats.accepted_by_source.get("history", 0))
+
+
+def test_one_tenants_calls_never_draft_for_another(target, tokenizer) -> None:
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[SUFFIX_TENANT], device="cpu")
+    alone = runtime.with_policies([SUFFIX_TENANT])  # its own, empty history
+    options = {"policy": "suffix-tenant", "max_new_tokens": 40}
+    first = runtime.generate_sync(PROMPT, tenant="acme", **options)
+    again = runtime.generate_sync(PROMPT, tenant="acme", **options)
+    other = runtime.generate_sync(PROMPT, tenant="globex", **options)
+    fresh = alone.generate_sync(PROMPT, tenant="globex", **options)
+    assert first.token_ids == again.token_ids == other.token_ids == fresh.token_ids
+    # The same tenant drafts its earlier answer; another tenant drafts exactly as much as on a
+    # runtime that never saw the first tenant's text.
+    assert _history_accepted(again) > _history_accepted(first)
+    assert _history_accepted(again) >= len(again.token_ids) // 2
+    assert other.stats.accepted_by_source == fresh.stats.accepted_by_source
+    assert other.stats.num_drafts == fresh.stats.num_drafts
+    stats = runtime.history.stats() if runtime.history else {}
+    assert stats["keys"] == 2
+    assert 0 < stats["tokens"] <= stats["max_tokens"]
+    runtime.close()
+    alone.close()
+
+
+def test_runtime_wide_history_refuses_a_call_that_names_a_tenant(target, tokenizer) -> None:
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[SHARED], device="cpu")
+    with pytest.raises(InvalidRequestError, match="history: tenant"):
+        runtime.generate_sync("Hello", policy="shared", tenant="acme", max_new_tokens=4)
+    result = runtime.generate_sync("Hello", policy="shared", max_new_tokens=4)
+    assert result.usage.output_tokens >= 1
+    runtime.close()
+
+
+def test_call_scope_keeps_nothing(target, tokenizer) -> None:
+    policy = _policy("own", "suffix", "call")
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[policy], device="cpu")
+    result = runtime.generate_sync(PROMPT, policy="own", tenant="acme", max_new_tokens=20)
+    assert result.stats.drafter == "suffix"
+    assert runtime.history is not None
+    assert runtime.history.stats()["documents"] == 0
+    runtime.close()
+
+
+def test_multi_turn_episode_equals_plain_greedy(target, draft, tokenizer) -> None:
+    """An agent episode (a tool call, its result, an answer quoting it, a rewrite of that
+    answer): with `auto` (history and draft model) every turn equals plain greedy decoding."""
+    runtime = SpecRuntime(target, draft, tokenizer, [AUTO_TENANT, PLAIN], "cpu")
+    turns = [
+        "Look up order A-10234.",
+        'Tool result: {"status": "delayed", "carrier": "NordPost", "eta": "Thursday"}',
+        "Now rewrite your answer as a short email to the customer.",
+        "Rewrite it once more, keeping every fact.",
+    ]
+    conversations: dict[str, list[dict[str, str]]] = {"auto-tenant": [], "plain": []}
+    sources: dict[str, int] = {}
+    for turn in turns:
+        outputs = {}
+        for name, messages in conversations.items():
+            messages.append({"role": "user", "content": turn})
+            result = runtime.generate_sync(
+                list(messages), policy=name, tenant="acme", max_new_tokens=24
+            )
+            messages.append({"role": "assistant", "content": result.text})
+            outputs[name] = result.token_ids
+            for source, n in result.stats.accepted_by_source.items():
+                sources[source] = sources.get(source, 0) + n
+        assert outputs["auto-tenant"] == outputs["plain"]
+    assert sources.get("history", 0) + sources.get("model", 0) > 0
+    runtime.close()
+
+
+def test_auto_without_a_draft_model_drafts_from_text_only(target, tokenizer) -> None:
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[AUTO_TENANT, PLAIN], device="cpu")
+    runtime.generate_sync(PROMPT, policy="auto-tenant", max_new_tokens=30)
+    again = runtime.generate_sync(PROMPT, policy="auto-tenant", max_new_tokens=30)
+    plain = runtime.generate_sync(PROMPT, policy="plain", max_new_tokens=30)
+    assert again.token_ids == plain.token_ids
+    assert again.stats.drafter == "auto"
+    assert set(again.stats.accepted_by_source) <= {"history"}
+    assert _history_accepted(again) > 0
+    runtime.close()
+
+
+def test_a_tool_call_under_a_grammar_counts_forced_tokens(target, tokenizer) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup_order",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"order_id": {"enum": ["A-10234", "B-20001"]}},
+                    "required": ["order_id"],
+                },
+            },
+        }
+    ]
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[PLAIN], device="cpu")
+    result = runtime.generate_sync(
+        "Call the tool", tools=tools, constraint=Constraint.tool_call(tools), max_new_tokens=80
+    )
+    assert result.finish_reason == "stop"
+    assert result.stats.num_forced_tokens > 0
+    assert result.stats.accepted_by_source.get("grammar", 0) > 0
+    assert result.stats.num_draft_tokens == 0  # plain decoding: only the grammar drafted
+    # Forced tokens make a plain call need fewer target forwards than tokens.
+    assert result.stats.mean_acceptance_length > 1.0
+    runtime.close()
