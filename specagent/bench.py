@@ -183,38 +183,13 @@ def run_bench(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     only = set(methods) if methods is not None else None
     prompts = prompts or PROMPTS
-    target, draft, tokenizer = runtime.target, runtime.draft, runtime.tokenizer
+    tokenizer = runtime.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark renders chat prompts: the runtime needs a tokenizer")
-    eos = runtime.eos_token_ids
     out = BenchResult(target_name, draft_name, max_new_tokens, str(runtime.device))
-    out.precision = dict(runtime.precision) or {
-        role: str(next(model.parameters()).dtype).removeprefix("torch.")
-        for role, model in (("target", target), ("draft", draft))
-        if model is not None
-    }
+    out.precision = dtypes_of(runtime)
 
-    def hf(ids: list[int], **kwargs: Any) -> list[int]:
-        # Greedy: the round's seed (the second argument of every method) does not apply.
-        inputs = torch.tensor([ids], device=runtime.device)
-        generated = target.generate(  # type: ignore[operator]
-            inputs,
-            attention_mask=torch.ones_like(inputs),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos or None,
-            pad_token_id=eos[0] if eos else 0,
-            **kwargs,
-        )
-        tokens = generated[0, len(ids) :].tolist()
-        return [t for t in tokens if t not in eos]
-
-    runs: dict[str, Callable[[list[int], int], tuple[list[int], Any]]] = {
-        "plain": lambda ids, seed: (hf(ids), None),
-        "hf_prompt_lookup": lambda ids, seed: (hf(ids, prompt_lookup_num_tokens=6), None),
-    }
-    if draft is not None:
-        runs["hf_assisted"] = lambda ids, seed: (hf(ids, assistant_model=draft), None)
+    runs = baseline_methods(runtime, max_new_tokens)
     sampled = {f"specagent_{p.name}" for p in runtime.policies if p.sampling.temperature > 0}
     for policy in runtime.policies:
         if policy.name == "default":
@@ -272,6 +247,50 @@ def run_bench(
     out.summary = _summarise(out.results)
     out.peak_rss_mb = peak_rss_mb()
     return out
+
+
+Method = Callable[[list[int], int], tuple[list[int], Any]]
+"""A decoding method under test: prompt ids and a round's seed -> output ids and stats."""
+
+
+def baseline_methods(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Method]:
+    """transformers' greedy ``generate`` on the runtime's own model objects (so in its dtype):
+    plain, prompt lookup (6 tokens, as specagent's prompt lookup here) and, with a draft model,
+    assisted generation. Outputs stop at EOS, as specagent's do."""
+    target, draft = runtime.target, runtime.draft
+    eos = runtime.eos_token_ids
+
+    def hf(ids: list[int], **kwargs: Any) -> list[int]:
+        # Greedy: the round's seed (the second argument of every method) does not apply.
+        inputs = torch.tensor([ids], device=runtime.device)
+        generated = target.generate(  # type: ignore[operator]
+            inputs,
+            attention_mask=torch.ones_like(inputs),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos or None,
+            pad_token_id=eos[0] if eos else 0,
+            **kwargs,
+        )
+        tokens = generated[0, len(ids) :].tolist()
+        return [t for t in tokens if t not in eos]
+
+    runs: dict[str, Method] = {
+        "plain": lambda ids, seed: (hf(ids), None),
+        "hf_prompt_lookup": lambda ids, seed: (hf(ids, prompt_lookup_num_tokens=6), None),
+    }
+    if draft is not None:
+        runs["hf_assisted"] = lambda ids, seed: (hf(ids, assistant_model=draft), None)
+    return runs
+
+
+def dtypes_of(runtime: SpecRuntime) -> dict[str, Any]:
+    """Each model's dtype and why (``runtime.precision``), or just the dtype."""
+    return dict(runtime.precision) or {
+        role: str(next(model.parameters()).dtype).removeprefix("torch.")
+        for role, model in (("target", runtime.target), ("draft", runtime.draft))
+        if model is not None
+    }
 
 
 def peak_rss_mb() -> float | None:

@@ -138,3 +138,48 @@ def test_a_tool_call_under_a_grammar_counts_forced_tokens(target, tokenizer) -> 
     # Forced tokens make a plain call need fewer target forwards than tokens.
     assert result.stats.mean_acceptance_length > 1.0
     runtime.close()
+
+
+def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
+    from specagent.agent_bench import (
+        agent_policies,
+        load_episodes,
+        run_agent_bench,
+        save_agent_bench,
+    )
+
+    episodes = load_episodes()
+    assert len(episodes) >= 12
+    assert {e.kind for e in episodes} >= {
+        "tool-result-answer",
+        "code-again",
+        "sql-fix",
+        "same-extraction",
+        "rewrite",
+    }
+    runtime = SpecRuntime(target, draft, tokenizer, agent_policies(True), "cpu")
+    result = run_agent_bench(
+        runtime, episodes=episodes[:3], max_new_tokens=8, repeats=2, log=lambda _: None
+    )
+    runtime.close()
+    methods = {
+        "plain",
+        "hf_prompt_lookup",
+        "hf_assisted",
+        "specagent_lossless-auto",
+        "specagent_lossless-draft_model",
+    }
+    for rows in result.episodes.values():
+        assert set(rows) == methods
+        assert all(len(turns) == len(rows["plain"]) for turns in rows.values())
+        for name, turns in rows.items():
+            if name != "plain":
+                assert all(t.equal_to_plain for t in turns), name
+    summary = result.summary
+    assert summary["all_lossless_equal_to_plain"]
+    assert summary["speedup_vs_plain"]["plain"]["total"] == 1.0
+    assert "specagent_lossless-auto" in summary["speedup_vs_hf_prompt_lookup"]
+    assert result.history["tokens"] > 0  # the auto policy kept the tenant's turns
+    json_path, png_path = save_agent_bench(result, tmp_path, "agent")
+    assert json_path.exists()
+    assert png_path.stat().st_size > 0

@@ -428,10 +428,10 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
     )
     errors: list[BaseException] = []
     gate = threading.Event()  # holds every decoding step until the test has looked
-    real_decode = rt._decode
+    real_decode = rt._engine.decode
 
-    def gated_decode(request):
-        steps = real_decode(request)
+    def gated_decode(request, device):
+        steps = real_decode(request, device)
         reply = None
         while True:
             gate.wait()
@@ -441,7 +441,7 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
                 return
             reply = yield item
 
-    rt._decode = gated_decode  # type: ignore[method-assign]
+    rt._engine.decode = gated_decode  # type: ignore[method-assign]
 
     def long_call() -> None:
         try:

@@ -49,7 +49,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--target", default=DEFAULT_MODEL)
     bench.add_argument("--draft")
     bench.add_argument("--pair", choices=["qwen2.5-coder"])
-    bench.add_argument("--max-new-tokens", type=int, default=48)
+    bench.add_argument(
+        "--workload",
+        choices=["prompts", "agent"],
+        default="prompts",
+        help="prompts: five single-turn agent-style prompts; agent: 12 multi-turn agent "
+        "episodes, each turn built on the replies before it",
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=None, help="per call (default: 48; agent: 32)"
+    )
     bench.add_argument(
         "--repeats", type=int, default=1, help="rounds, methods interleaved; median reported"
     )
@@ -217,25 +226,43 @@ def _bench(args: argparse.Namespace) -> int:
     from ..runtime import SpecRuntime
 
     target, draft = PAIRS[args.pair] if args.pair else (args.target, args.draft)
+    agent = args.workload == "agent"
+    if agent:
+        from ..agent_bench import agent_policies, run_agent_bench, save_agent_bench
+
     # No prefix reuse here: every method pays its own prefill, as the baselines do
     # (benchmarks/runtime_load.py measures what reuse saves).
     runtime = SpecRuntime.from_pretrained(
         target,
         draft=draft,
-        policies=bench_policies(draft is not None),
+        policies=(agent_policies if agent else bench_policies)(draft is not None),
         prefix_cache_tokens=0,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
     )
+    stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
+    if agent:
+        outcome = run_agent_bench(
+            runtime,
+            max_new_tokens=args.max_new_tokens or 32,
+            repeats=args.repeats,
+            methods=args.methods,
+            target_name=Path(target).name,
+            draft_name=Path(draft).name if draft else None,
+        )
+        json_path, png_path = save_agent_bench(outcome, args.out, f"{stem}_agent")
+        print(json.dumps(outcome.summary, indent=1))
+        print(f"wrote {json_path} and {png_path}")
+        runtime.close()
+        return 0
     result = run_bench(
         runtime,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=args.max_new_tokens or 48,
         target_name=Path(target).name,
         draft_name=Path(draft).name if draft else None,
         repeats=args.repeats,
         methods=args.methods,
     )
-    stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
     json_path, png_path = save(result, args.out, stem)
     print(json.dumps(result.summary, indent=1))
     print(f"wrote {json_path} and {png_path}")

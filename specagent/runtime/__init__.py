@@ -18,6 +18,7 @@ that same core from synchronous code (``portal.iterate_sync``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -99,7 +100,7 @@ class SpecRuntime:
             check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)  # type: ignore[arg-type]
         self.vocab_size = model_vocab_size(self.target)  # type: ignore[arg-type]
         self.context_window = context_window(self.target)  # type: ignore[arg-type]
-        self.eos_token_ids = eos_token_ids(self.target, tokenizer)  # type: ignore[arg-type]
+        eos = eos_token_ids(self.target, tokenizer)  # type: ignore[arg-type]
         self.model_name = model_name or _model_name(self.target)
         self.max_active = max_active
         self.max_queue = max_queue
@@ -114,7 +115,7 @@ class SpecRuntime:
             tokenizer,
             self.vocab_size,
             self.context_window,
-            tuple(self.eos_token_ids),
+            tuple(eos),
         )
         self.precision: dict[str, Any] = {}
         """The dtype each model runs in and why (``from_pretrained``; empty for models passed
@@ -131,7 +132,7 @@ class SpecRuntime:
             self.target,
             self.draft,
             vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=eos,
             context_window=self.context_window,
             prefixes=self.prefix_cache,
             store=probe_store,
@@ -206,6 +207,17 @@ class SpecRuntime:
         if isinstance(policy, str):
             policy = self.policies[policy]
         return self._engine.costs.measured(self._engine.cost_runner(policy))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Tokens that end a call (the model's generation config and the tokenizer's); set it
+        to change them for the calls that start afterwards."""
+        return self._engine.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: Sequence[int]) -> None:
+        self._engine.eos_token_ids = list(ids)
+        self._admission = dataclasses.replace(self._admission, eos_token_ids=tuple(ids))
 
     @property
     def history(self) -> HistoryStore | None:

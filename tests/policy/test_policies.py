@@ -33,12 +33,15 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
     return path
 
 
-def test_shipped_policies_cover_both_modes_and_several_drafters() -> None:
+def test_shipped_policies_cover_both_modes_and_keep_sensitive_text_to_the_call() -> None:
     policies = load_policies(SHIPPED)
     shipped = [p for p in policies if p.name != "default"]
     assert len(shipped) >= 5
     assert {p.mode for p in shipped} == {"lossless", "relaxed"}
-    assert len({p.drafter.kind for p in shipped}) >= 2
+    # auto: history, the draft model where the runtime has one, or plain decoding, per step.
+    assert {p.drafter.kind for p in shipped} == {"auto"}
+    for name in ("legal-drafting", "medical-summary"):
+        assert policies[name].drafter.history == "call"  # confidential: nothing kept
     for policy in shipped:
         assert policy.mode in policy.description.lower() or "exact" in policy.description.lower()
     assert policies.default.mode == "lossless"

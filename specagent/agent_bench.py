@@ -1,0 +1,329 @@
+"""``specagent bench --workload agent``: speed on agent episodes, not on single prompts.
+
+An episode is a conversation an agent has (``data/agent_episodes.jsonl``, 12 of them): a tool
+call then an answer that quotes the tool's result, an answer rewritten as an email, a function
+returned again with one change, an SQL query fixed after its error, the same JSON shape extracted
+from document after document. Every method runs every episode as an agent would: each turn's
+output becomes the assistant message the next turn builds on. Methods: transformers' plain
+greedy ``generate``, prompt lookup and assisted generation, and specagent's policies, all on the
+runtime's model objects (so in one dtype). specagent's calls carry one tenant, and its history is
+cleared before each method's pass, so no method ever sees text from another method or round.
+
+Reported per turn and per episode: decode time, tokens, tokens/s, and for specagent acceptance
+and where the accepted tokens came from (history, draft model, grammar); every lossless output is
+compared with plain greedy token for token. Ratios use total decode time over an episode (and
+over all of them), medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .bench import Method, baseline_methods, dtypes_of, geomean, peak_rss_mb
+from .chat import render_prompt
+from .machine import machine_info
+from .policy import Policy
+from .policy.schema import DrafterConfig
+from .runtime import SpecRuntime
+
+__all__ = [
+    "AgentBenchResult",
+    "Episode",
+    "agent_policies",
+    "load_episodes",
+    "run_agent_bench",
+    "save_agent_bench",
+]
+
+TENANT = "bench"
+
+
+@dataclass(frozen=True)
+class Episode:
+    id: str
+    kind: str
+    system: str
+    turns: list[str]
+
+
+def load_episodes(path: str | Path | None = None) -> list[Episode]:
+    """The shipped episodes, or a JSONL file of ``{"id", "kind", "system", "turns": [...]}``."""
+    source = Path(path) if path else Path(str(resources.files("specagent") / "data"))
+    if path is None:
+        source = source / "agent_episodes.jsonl"
+    episodes = []
+    for line in source.read_text().splitlines():
+        if line.strip():
+            item = json.loads(line)
+            episodes.append(Episode(item["id"], item["kind"], item["system"], list(item["turns"])))
+    return episodes
+
+
+def agent_policies(has_draft: bool) -> list[Policy]:
+    """``lossless-auto``: history (this tenant's earlier calls and the call's own text), the
+    draft model when there is one, or plain decoding, per step; and, with a draft model,
+    ``lossless-draft_model`` (the draft model alone) to show what history adds."""
+    policies = [
+        Policy(
+            name="lossless-auto",
+            description="agent bench",
+            mode="lossless",
+            drafter=DrafterConfig(kind="auto", num_speculative_tokens=20, history="tenant"),
+        )
+    ]
+    if has_draft:
+        policies.append(
+            Policy(
+                name="lossless-draft_model",
+                description="agent bench",
+                mode="lossless",
+                drafter=DrafterConfig(kind="draft_model", num_speculative_tokens=20),
+            )
+        )
+    return policies
+
+
+@dataclass
+class TurnResult:
+    tokens: int
+    seconds: float
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    accepted_by_source: dict[str, int] | None = None
+    equal_to_plain: bool | None = None
+
+
+@dataclass
+class AgentBenchResult:
+    target: str
+    draft: str | None
+    max_new_tokens: int
+    device: str
+    rounds: int
+    episodes: dict[str, dict[str, list[TurnResult]]] = field(default_factory=dict)
+    """Per episode and method: the median round's turns."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=machine_info)
+    precision: dict[str, Any] = field(default_factory=dict)
+    peak_rss_mb: float | None = None
+    history: dict[str, int] = field(default_factory=dict)
+    """The most the runtime's history held after one method's pass over every episode
+    (tokens, documents, index entries)."""
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["episodes"] = {
+            e: {m: [asdict(t) for t in turns] for m, turns in rows.items()}
+            for e, rows in self.episodes.items()
+        }
+        return data
+
+
+def run_agent_bench(
+    runtime: SpecRuntime,
+    *,
+    episodes: list[Episode] | None = None,
+    max_new_tokens: int = 32,
+    repeats: int = 1,
+    methods: Iterable[str] | None = None,
+    target_name: str = "target",
+    draft_name: str | None = None,
+    log: Callable[[str], None] = print,
+) -> AgentBenchResult:
+    """Run every method over every episode, ``repeats`` rounds (methods interleaved per round);
+    the runtime's policies must be ``agent_policies``."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    episodes = episodes if episodes is not None else load_episodes()
+    runs = baseline_methods(runtime, max_new_tokens)
+    for policy in runtime.policies:
+        if policy.name != "default":
+            runs[f"specagent_{policy.name}"] = _spec_method(runtime, policy.name, max_new_tokens)
+    if methods is not None:
+        only = set(methods)
+        unknown = only - set(runs)
+        if unknown:
+            raise ValueError(f"unknown bench methods {sorted(unknown)}; known: {sorted(runs)}")
+        runs = {name: run for name, run in runs.items() if name == "plain" or name in only}
+    warm = render_prompt(
+        [{"role": "user", "content": "Hi"}], runtime.tokenizer, vocab_size=runtime.vocab_size
+    )
+    for name, method in runs.items():
+        method(warm, 0)
+        log(f"warmed up {name}")
+    if not runtime.wait_measured(timeout=3600):
+        log("step costs still being measured after an hour; timing anyway")
+
+    out = AgentBenchResult(target_name, draft_name, max_new_tokens, str(runtime.device), repeats)
+    out.precision = dtypes_of(runtime)
+    passes: dict[str, dict[str, list[list[TurnResult]]]] = {e.id: {} for e in episodes}
+    for round_index in range(repeats):
+        plain: dict[str, list[list[int]]] = {}
+        for name, method in runs.items():  # plain first: the reference
+            if runtime.history is not None:
+                runtime.history.clear()  # nothing carried over from another method or round
+            start = time.perf_counter()
+            for episode in episodes:
+                turns, outputs = _run_episode(runtime, episode, method, round_index)
+                if name == "plain":
+                    plain[episode.id] = outputs
+                else:
+                    for turn, mine, reference in zip(
+                        turns, outputs, plain[episode.id], strict=True
+                    ):
+                        turn.equal_to_plain = mine == reference
+                passes[episode.id].setdefault(name, []).append(turns)
+            log(f"round {round_index + 1}: {name} in {time.perf_counter() - start:.0f}s")
+            held = runtime.history.stats() if runtime.history is not None else {}
+            if held.get("tokens", 0) > out.history.get("tokens", 0):
+                out.history = held  # the fullest it got over one method's pass
+    for episode_id, by_method in passes.items():
+        out.episodes[episode_id] = {name: _median(rounds) for name, rounds in by_method.items()}
+    out.summary = _summarise(out.episodes, {e.id: e.kind for e in episodes})
+    out.peak_rss_mb = peak_rss_mb()
+    return out
+
+
+def _run_episode(
+    runtime: SpecRuntime, episode: Episode, method: Method, seed: int
+) -> tuple[list[TurnResult], list[list[int]]]:
+    """The episode's turns, each built on the replies before it, and each turn's output ids."""
+    tokenizer = runtime.tokenizer
+    if tokenizer is None:
+        raise ValueError("agent episodes are chat conversations: the runtime needs a tokenizer")
+    messages = [{"role": "system", "content": episode.system}]
+    turns, outputs = [], []
+    for text in episode.turns:
+        messages.append({"role": "user", "content": text})
+        ids = render_prompt(messages, runtime.tokenizer, vocab_size=runtime.vocab_size)
+        start = time.perf_counter()
+        tokens, stats = method(ids, seed)
+        turn = TurnResult(len(tokens), round(time.perf_counter() - start, 3))
+        if stats is not None:
+            turn.acceptance_rate = round(stats.acceptance_rate, 3)
+            turn.mean_acceptance_length = round(stats.mean_acceptance_length, 3)
+            turn.accepted_by_source = dict(stats.accepted_by_source)
+        reply = str(tokenizer.decode(list(tokens), skip_special_tokens=True))
+        messages.append({"role": "assistant", "content": reply})
+        turns.append(turn)
+        outputs.append(list(tokens))
+    return turns, outputs
+
+
+def _median(rounds: list[list[TurnResult]]) -> list[TurnResult]:
+    """The round whose total decode time is the median."""
+    ordered = sorted(rounds, key=lambda turns: sum(t.seconds for t in turns))
+    return ordered[len(ordered) // 2]
+
+
+def _spec_method(runtime: SpecRuntime, policy: str, max_new_tokens: int) -> Method:
+    def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
+        result = runtime.generate_sync(
+            ids, policy=policy, max_new_tokens=max_new_tokens, seed=seed, tenant=TENANT
+        )
+        return result.token_ids, result.stats
+
+    return run
+
+
+def _summarise(
+    episodes: dict[str, dict[str, list[TurnResult]]], kinds: dict[str, str]
+) -> dict[str, Any]:
+    methods = list(next(iter(episodes.values())))
+    seconds = {
+        m: {e: sum(t.seconds for t in rows[m]) for e, rows in episodes.items()} for m in methods
+    }
+    tokens = {m: sum(t.tokens for rows in episodes.values() for t in rows[m]) for m in methods}
+    summary: dict[str, Any] = {"total_seconds": {}, "tokens_per_s": {}, "speedup_vs_plain": {}}
+    for m in methods:
+        total = sum(seconds[m].values())
+        summary["total_seconds"][m] = round(total, 2)
+        summary["tokens_per_s"][m] = round(tokens[m] / total, 3) if total else 0.0
+        per_episode = {e: seconds["plain"][e] / s for e, s in seconds[m].items() if s}
+        summary["speedup_vs_plain"][m] = {
+            "total": round(sum(seconds["plain"].values()) / total, 3) if total else 0.0,
+            "per_episode": {e: round(r, 3) for e, r in per_episode.items()},
+            "geomean_episodes": round(geomean(per_episode.values()), 3),
+            "min_episode": round(min(per_episode.values()), 3),
+        }
+    for baseline in ("hf_assisted", "hf_prompt_lookup"):
+        if baseline not in seconds:
+            continue
+        summary[f"speedup_vs_{baseline}"] = {
+            m: {
+                "total": round(sum(seconds[baseline].values()) / sum(seconds[m].values()), 3),
+                "min_episode": round(
+                    min(seconds[baseline][e] / seconds[m][e] for e in episodes), 3
+                ),
+            }
+            for m in methods
+            if m.startswith("specagent_")
+        }
+    sources: dict[str, dict[str, int]] = {}
+    for m in methods:
+        for rows in episodes.values():
+            for turn in rows[m]:
+                for source, n in (turn.accepted_by_source or {}).items():
+                    sources.setdefault(m, {})[source] = sources.get(m, {}).get(source, 0) + n
+    summary["accepted_by_source"] = sources
+    summary["all_lossless_equal_to_plain"] = all(
+        t.equal_to_plain is not False
+        for rows in episodes.values()
+        for m in methods
+        for t in rows[m]
+    )
+    by_kind: dict[str, list[float]] = {}
+    for e, kind in kinds.items():
+        for m in methods:
+            if m.startswith("specagent_") and seconds[m].get(e):
+                by_kind.setdefault(f"{m}:{kind}", []).append(seconds["plain"][e] / seconds[m][e])
+    summary["speedup_vs_plain_by_kind"] = {
+        k: round(statistics.median(v), 3) for k, v in by_kind.items()
+    }
+    return summary
+
+
+def save_agent_bench(result: AgentBenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
+    """JSON, and a PNG of each method's speed-up over plain per episode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+    json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    speedups = result.summary["speedup_vs_plain"]
+    methods = [m for m in speedups if m != "plain"]
+    names = list(result.episodes)
+    width = 0.8 / max(len(methods), 1)
+    fig, ax = plt.subplots(figsize=(max(9, 1.1 * len(names)), 4.8))
+    for i, m in enumerate(methods):
+        values = [speedups[m]["per_episode"].get(e, 0.0) for e in names]
+        label = f"{m} (total {speedups[m]['total']:.2f}x)"
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(
+        [x + width * (len(methods) - 1) / 2 for x in range(len(names))],
+        names,
+        rotation=30,
+        ha="right",
+    )
+    ax.set_ylabel("speed-up vs plain (episode decode time)")
+    ax.set_title(
+        f"agent episodes: {result.target} (draft: {result.draft}), {result.machine.get('cpu')}, "
+        f"{result.max_new_tokens} tokens per turn, {result.rounds} round(s)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return json_path, png_path
