@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Continuation", "HistoryStore", "SuffixIndex"]
@@ -72,37 +72,37 @@ class SuffixIndex:
         doc = self.docs[doc_id]
         start = len(doc)
         doc.extend(tokens)
-        for end in range(start + 1, len(doc) + 1):
-            for n in self.ngrams:
-                if end < n:
-                    break
-                key = tuple(doc[end - n : end])
-                places = self._places.get(key)
-                if places is None:
-                    places = self._places[key] = collections.deque(maxlen=self.max_occurrences)
-                if len(places) == places.maxlen:
-                    self._entries -= 1
-                places.append((doc_id, end))
-                self._entries += 1
+        for key, end in self._ngrams(doc, start):
+            places = self._places.get(key)
+            if places is None:
+                places = self._places[key] = collections.deque(maxlen=self.max_occurrences)
+            if len(places) == places.maxlen:
+                self._entries -= 1
+            places.append((doc_id, end))
+            self._entries += 1
 
     def remove(self, doc_id: int) -> None:
         doc = self.docs.pop(doc_id, None)
         if doc is None:
             return
-        for end in range(1, len(doc) + 1):
+        for key, _ in self._ngrams(doc, 0):
+            places = self._places.get(key)
+            if places is None:
+                continue  # removed already (the n-gram occurs twice in the document)
+            kept = [p for p in places if p[0] != doc_id]
+            self._entries -= len(places) - len(kept)
+            if kept:
+                self._places[key] = collections.deque(kept, maxlen=self.max_occurrences)
+            else:
+                del self._places[key]
+
+    def _ngrams(self, doc: list[int], start: int) -> Iterator[tuple[tuple[int, ...], int]]:
+        """Each indexed n-gram that ends after position ``start``, with its end."""
+        for end in range(start + 1, len(doc) + 1):
             for n in self.ngrams:
                 if end < n:
                     break
-                key = tuple(doc[end - n : end])
-                places = self._places.get(key)
-                if places is None:
-                    continue
-                kept = [p for p in places if p[0] != doc_id]
-                self._entries -= len(places) - len(kept)
-                if kept:
-                    self._places[key] = collections.deque(kept, maxlen=self.max_occurrences)
-                else:
-                    del self._places[key]
+                yield tuple(doc[end - n : end]), end
 
     def places(self, context: Sequence[int]) -> tuple[list[tuple[int, int]], int]:
         """Where the context's longest indexed suffix occurred (most recent last) and its
