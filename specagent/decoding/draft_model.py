@@ -14,7 +14,14 @@ import torch
 
 from .cache import ForwardRequest, ModelRunner, PrefixCache, common_prefix_length, crop_to, prefill
 from .costs import CostModel, most_per_cost
-from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, lookup_continuation, run_inline
+from .drafters import (
+    EMPTY,
+    Drafter,
+    Proposal,
+    StepwiseDrafter,
+    TokenConstraint,
+    lookup_continuation,
+)
 from .sampling import SamplingParams, logits_to_probs, sample
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 
@@ -32,7 +39,7 @@ __all__ = [
 ]
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(StepwiseDrafter):
     """Autoregressive drafting with a small model and its own KV cache.
 
     The cache tracks which tokens it holds; before drafting, it is cropped to the longest prefix
@@ -81,16 +88,6 @@ class DraftModelDrafter:
         self.cache = runner.new_cache()
         self._cached: list[int] = []
         self._prefixes = prefixes
-
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        return run_inline(self.propose_steps(context, k, params, generator, constraint))
 
     def propose_steps(
         self,

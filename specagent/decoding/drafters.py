@@ -30,6 +30,7 @@ __all__ = [
     "Drafter",
     "PromptLookupDrafter",
     "Proposal",
+    "StepwiseDrafter",
     "TokenConstraint",
     "build_no_drafter",
     "build_prompt_lookup",
@@ -83,6 +84,31 @@ def run_inline(steps: Generator[ForwardRequest, torch.Tensor | None, T]) -> T:
     except StopIteration as stop:
         return stop.value
     raise TypeError(f"a drafting coroutine yielded {type(item).__name__}, not a forward request")
+
+
+class StepwiseDrafter:
+    """Base of drafters that run a model: ``propose_steps`` yields each draft forward (so the
+    runtime can batch them across calls); ``propose`` runs them inline."""
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Proposal:
+        return run_inline(self.propose_steps(context, k, params, generator, constraint))
+
+    def propose_steps(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        raise NotImplementedError
 
 
 class Drafter(Protocol):

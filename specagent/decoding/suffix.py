@@ -17,7 +17,15 @@ import torch
 
 from .cache import ForwardRequest
 from .costs import CostModel, expected_tokens, most_per_cost
-from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
+from .drafters import (
+    EMPTY,
+    Drafter,
+    Proposal,
+    StepwiseDrafter,
+    TokenConstraint,
+    _admissible,
+    draft_steps,
+)
 from .history import Continuation, SuffixIndex, continuation
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
@@ -108,7 +116,7 @@ class SuffixDrafter:
         self._indexed.extend(new)
 
 
-class AutoDrafter:
+class AutoDrafter(StepwiseDrafter):
     """Per step, the best of: a history match (free to draft), the draft model (when the runtime
     has one; its own adaptive schedule says whether and how well it pays), and plain decoding,
     by expected tokens per unit of cost."""
@@ -125,18 +133,6 @@ class AutoDrafter:
         self.model = model
         self.schedule = schedule
         self._source: str | None = None
-
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        from .drafters import run_inline
-
-        return run_inline(self.propose_steps(context, k, params, generator, constraint))
 
     def propose_steps(
         self,
