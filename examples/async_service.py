@@ -13,7 +13,7 @@ import time
 
 import anyio
 
-from specagent import RuntimeOverloadedError, SpecRuntime
+from specagent import RuntimeOverloadedError, SpecRuntime, shipped_policies
 
 TICKETS = [
     "My parcel arrived damaged, what now?",
@@ -41,7 +41,7 @@ async def handle(runtime: SpecRuntime, i: int) -> None:
 
 
 async def main(target: str, calls: int) -> None:
-    runtime = SpecRuntime.from_pretrained(target, policies="policies", max_queue=64)
+    runtime = SpecRuntime.from_pretrained(target, policies=shipped_policies(), max_queue=64)
     async with runtime:
         print("streaming one call:")
         async for chunk in runtime.stream(
@@ -63,7 +63,7 @@ async def main(target: str, calls: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--calls", type=int, default=8)
     args = parser.parse_args()
     anyio.run(main, args.target, args.calls)

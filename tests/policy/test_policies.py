@@ -7,15 +7,17 @@ from pathlib import Path
 import pytest
 
 from specagent import (
+    SHIPPED_POLICIES,
     Policy,
     PolicyError,
     PolicyNotFoundError,
     PolicySet,
     load_policies,
     load_policy,
+    shipped_policies,
 )
 
-SHIPPED = Path(__file__).resolve().parents[2] / "policies"
+SHIPPED = SHIPPED_POLICIES
 
 VALID = """\
 name: {name}
@@ -45,6 +47,27 @@ def test_shipped_policies_cover_both_modes_and_keep_sensitive_text_to_the_call()
     for policy in shipped:
         assert policy.mode in policy.description.lower() or "exact" in policy.description.lower()
     assert policies.default.mode == "lossless"
+
+
+def test_shipped_policies_are_found_from_any_directory_and_a_directory_overrides_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # nowhere near the source tree's files
+    shipped = shipped_policies()
+    assert "customer-reply" in shipped
+    assert shipped.default.name == "default"
+    extra = tmp_path / "mine"
+    extra.mkdir()
+    write(extra, "customer-reply", VALID.format(name="customer-reply"))
+    write(extra, "notes", VALID.format(name="notes"))
+    merged = load_policies(extra, extends=shipped)
+    assert merged["customer-reply"].mode == "relaxed"  # the directory's file wins
+    assert shipped["customer-reply"].mode == "lossless"  # the shipped set is untouched
+    assert merged["legal-drafting"] == shipped["legal-drafting"]  # the rest is kept
+    assert "notes" in merged
+    assert sorted(p.name for p in merged.defined()) == sorted(
+        [*(p.name for p in shipped.defined()), "notes"]
+    )
 
 
 def test_valid_file_loads(tmp_path: Path) -> None:

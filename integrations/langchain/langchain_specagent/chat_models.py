@@ -35,7 +35,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from opentelemetry import context as otel_context
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
-from specagent import IncompleteOutputError, SpecRuntime
+from specagent import IncompleteOutputError, SpecRuntime, load_policies, shipped_policies
 from specagent.backend import Backend
 from specagent.calls import CallSpec, run_call, tool_choice_name
 from specagent.runtime.portal import iterate_sync
@@ -60,16 +60,17 @@ class ChatSpecAgent(BaseChatModel):
     Instantiate (sharing one runtime between many chat models, one per default policy):
         .. code-block:: python
 
-            from specagent import SpecRuntime
+            from specagent import SpecRuntime, shipped_policies
             from langchain_specagent import ChatSpecAgent
 
             runtime = SpecRuntime.from_pretrained("/models/target", draft="/models/draft",
-                                                  policies="policies/")
+                                                  policies=shipped_policies())
             customer = ChatSpecAgent(runtime=runtime, policy="customer-reply")
             notes = ChatSpecAgent(runtime=runtime, policy="internal-summary", temperature=0.7)
 
         or from model paths, owning its runtime (built on first use):
-        ``ChatSpecAgent(target="/models/target", policies="policies/")``.
+        ``ChatSpecAgent(target="/models/target")`` (the shipped policies; ``policies="dir/"``
+        adds to them and overrides those of the same name).
 
     Invoke:
         .. code-block:: python
@@ -112,7 +113,8 @@ class ChatSpecAgent(BaseChatModel):
     draft: str | None = None
     """Path or hub id of the draft model (optional), when this chat model owns its runtime."""
     policies: str | None = None
-    """Policy directory for an owned runtime (default: the built-in lossless policy only)."""
+    """Policy directory for an owned runtime, added to the shipped policies (``customer-reply``,
+    ``internal-summary``, ...), replacing those of the same name."""
     device: str = "auto"
     dtype: str = "auto"
     policy: str | None = None
@@ -134,6 +136,9 @@ class ChatSpecAgent(BaseChatModel):
     """Default tenant of this model's calls (a call's ``specagent_tenant`` metadata wins)."""
     streaming: bool = False
     """Kept for compatibility with LangChain's ``streaming=True``; ``invoke`` always works."""
+    guard_answers: bool = True
+    """An answer to a tool result with no tools bound starts as prose, not as an echo of the
+    call or its JSON (``specagent.calls.ANSWER_AFTER_TOOLS``): small models need it."""
 
     _owned_runtime: SpecRuntime | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -313,7 +318,11 @@ class ChatSpecAgent(BaseChatModel):
                 self._owned_runtime = SpecRuntime.from_pretrained(
                     self.target,
                     draft=self.draft,
-                    policies=self.policies,
+                    policies=(
+                        load_policies(self.policies, extends=shipped_policies())
+                        if self.policies
+                        else shipped_policies()
+                    ),
                     device=self.device,
                     dtype=self.dtype,
                     model_name=self.model_name,
@@ -355,6 +364,7 @@ class ChatSpecAgent(BaseChatModel):
             max_tokens=kwargs.pop("max_tokens", self.max_tokens),
             seed=kwargs.pop("seed", self.seed),
             timeout=kwargs.pop("timeout", self.timeout),
+            answer_guard=self.guard_answers,
         )
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")

