@@ -5,10 +5,9 @@ by providing these few members."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol, runtime_checkable
 
-from .chat import Prompt
 from .policy import PolicySet
 from .results import GenerationResult, StreamChunk
 
@@ -28,9 +27,13 @@ class Backend(Protocol):
     model_name: str
     policies: PolicySet
 
-    def stream(self, prompt: Prompt, **kwargs: Any) -> AsyncIterator[StreamChunk]: ...
+    # Callables rather than methods: an engine's own keyword-only parameters (as
+    # ``SpecRuntime.stream`` has) then match the protocol for type checkers too.
+    @property
+    def stream(self) -> Callable[..., AsyncIterator[StreamChunk]]: ...
 
-    async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult: ...
+    @property
+    def generate(self) -> Callable[..., Awaitable[GenerationResult]]: ...
 
     async def aclose(self, drain: bool = True) -> None: ...
 

@@ -11,7 +11,8 @@ from the finished output.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,34 +210,38 @@ class CallChunk:
 
 
 async def run_call(
-    backend: Backend, call: CallSpec, max_retries: int = 2
-) -> AsyncIterator[CallChunk]:
+    backend: Backend, call: CallSpec, max_retries: int = 2, allow_incomplete: bool = False
+) -> AsyncGenerator[CallChunk, None]:
     """Run ``call`` on ``backend``: text chunks as they are safe to show, then the last chunk.
 
     Retries (on overload or a failed decoding step) happen only before any output, so a stream
     never repeats itself. Text that may start a tool call is held back to the end; a constrained
     output that runs out of tokens raises ``IncompleteOutputError`` rather than returning
-    JSON that does not parse."""
+    JSON that does not parse, unless ``allow_incomplete`` (OpenAI's behaviour: the partial
+    output with ``finish_reason="length"``)."""
     attempt = 0
     while True:
         started = False
         held: list[str] = []
         holding = call.forced_tool
         try:
-            async for chunk in backend.stream(call.messages, **call.stream_kwargs()):
-                if chunk.result is None:
-                    if not chunk.text:
+            stream = backend.stream(call.messages, **call.stream_kwargs())
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # closing cancels
+                async for chunk in stream:
+                    if chunk.result is None:
+                        if not chunk.text:
+                            continue
+                        started = True
+                        if call.tools is not None and not holding:
+                            holding = may_start_tool_call("".join(held) + chunk.text)
+                        if holding:
+                            held.append(chunk.text)
+                        else:
+                            yield CallChunk(text=chunk.text)
                         continue
-                    started = True
-                    if call.tools is not None and not holding:
-                        holding = may_start_tool_call("".join(held) + chunk.text)
-                    if holding:
-                        held.append(chunk.text)
-                    else:
-                        yield CallChunk(text=chunk.text)
-                    continue
-                yield _last_chunk(call, chunk.result, "".join(held) + chunk.text)
-                return
+                    content = "".join(held) + chunk.text
+                    yield _last_chunk(call, chunk.result, content, allow_incomplete)
+                    return
         except (RuntimeOverloadedError, GenerationError) as exc:
             attempt += 1
             if started or attempt > max_retries or isinstance(exc, IncompleteOutputError):
@@ -244,9 +249,11 @@ async def run_call(
             await anyio.sleep(min(0.1 * 2**attempt, 2.0))
 
 
-def _last_chunk(call: CallSpec, result: GenerationResult, content: str) -> CallChunk:
+def _last_chunk(
+    call: CallSpec, result: GenerationResult, content: str, allow_incomplete: bool = False
+) -> CallChunk:
     structured = call.constraint not in (None, ANSWER_AFTER_TOOLS)  # prose may be cut anywhere
-    if structured and result.finish_reason == "length":
+    if structured and result.finish_reason == "length" and not allow_incomplete:
         msg = (
             f"the constrained output did not complete within {result.usage.output_tokens} "
             "tokens; raise max_tokens"

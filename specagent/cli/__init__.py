@@ -53,6 +53,13 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return 0
     if args.command == "run":
         return _run(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "keys":
+        from ..server.keys import hash_key
+
+        print(hash_key(args.key))
+        return 0
     if args.command == "bench":
         return _bench(args)
     if args.command == "eval":
@@ -101,6 +108,32 @@ def _run(args: argparse.Namespace) -> int:
             print()
             print(json.dumps(chunk.result.stats.as_dict(), indent=1), file=sys.stderr)
     runtime.close()
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from ..server import KeyStore, ServerOptions, serve
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise SpecAgentError(
+            f'the server needs the server extra: pip install "specagent[server]" ({exc})'
+        ) from exc
+    keys = KeyStore.load(args.api_keys, open=args.no_auth)  # fails closed before loading models
+    target, draft = _target_and_draft(args)
+    serve(
+        target,
+        draft=draft,
+        policies=_policy_set(args.policies),
+        host=args.host,
+        port=args.port,
+        keys=keys,
+        options=ServerOptions(
+            max_body_bytes=args.max_body_bytes, default_policy=args.default_policy
+        ),
+        drain_seconds=args.drain_seconds,
+        dtype=args.dtype,
+        max_queue=args.max_queue,
+    )
     return 0
 
 

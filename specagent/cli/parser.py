@@ -194,6 +194,60 @@ def build_parser() -> argparse.ArgumentParser:
         "directory", nargs="?", default=None, help="directory (default: the shipped policies)"
     )
 
+    serve = _command(
+        sub,
+        "serve",
+        "an OpenAI-compatible HTTP server with API keys, limits, policies and metrics",
+        "Loads the model (and draft) once and serves POST /v1/chat/completions (JSON or "
+        "server-sent events), GET /v1/models, /health, /ready and /metrics. A call chooses its "
+        "policy with metadata.specagent_policy, the X-Specagent-Policy header or the model name "
+        "'<model>:<policy>'. Every request needs an API key (Authorization: Bearer) from "
+        "--api-keys or SPECAGENT_API_KEYS; SIGTERM drains the calls in flight.",
+    )
+    _model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument(
+        "--api-keys",
+        type=Path,
+        help="YAML file of hashed API keys with their allowed policies and limits "
+        "(see `specagent keys hash`)",
+    )
+    serve.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="accept requests without a key (local development only; never expose it)",
+    )
+    serve.add_argument("--default-policy", help="policy of calls that name none and match no tags")
+    serve.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413"
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=256, help="calls waiting beyond this get 429"
+    )
+    serve.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long calls in flight may take to finish",
+    )
+    serve.add_argument("--dtype", default="auto", choices=DTYPES, help="target dtype")
+
+    keys = _command(
+        sub,
+        "keys",
+        "API key tools for `specagent serve`",
+        "API key tools: `specagent keys hash KEY` prints the SHA-256 a key file stores.",
+    )
+    keys_sub = keys.add_subparsers(dest="action", required=True, metavar="ACTION")
+    hash_cmd = _command(
+        keys_sub,
+        "hash",
+        "print the SHA-256 of a key, for the key file",
+        "Prints the SHA-256 hex digest of a key: the key file stores it, never the key.",
+    )
+    hash_cmd.add_argument("key", help="the API key (use a random string of 32+ characters)")
+
     models = _command(
         sub,
         "models",

@@ -264,6 +264,22 @@ class SpecRuntime:
         plan with a prior until then); False if ``timeout`` passed first."""
         return self._ensure_worker().idle.wait(timeout)
 
+    def activity(self) -> dict[str, Any]:
+        """What the runtime is doing now: calls ``running`` and ``queued``, whether the step
+        costs are ``measured`` (calls plan with a prior until then) and whether it is
+        ``closing``. Starts nothing."""
+        worker = self._worker
+        if worker is None:
+            return {"running": 0, "queued": 0, "measured": False, "closing": False}
+        with worker.cond:
+            running, queued = len(worker.active), len(worker.inbox)
+        return {
+            "running": running,
+            "queued": queued,
+            "measured": worker.idle.is_set(),
+            "closing": worker.stopping,
+        }
+
     def _ensure_worker(self) -> Worker:
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive() or self._worker.stopping:

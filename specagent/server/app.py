@@ -1,0 +1,440 @@
+"""The OpenAI-compatible HTTP app over any ``Backend`` (a ``SpecRuntime``).
+
+Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``,
+``GET /health`` (the process answers), ``GET /ready`` (models loaded, step costs measured, not
+draining) and ``GET /metrics`` (Prometheus text from the runtime's OpenTelemetry instruments).
+
+Each call: key (401), body size (413), fields (422, naming the field), policy by precedence
+(``metadata.specagent_policy``, the ``X-Specagent-Policy`` header, ``<model>:<policy>``, then
+the tags in ``metadata.specagent_tags``), the key's allowed policies (403), unknown policy (404),
+key limits and server overload (429 with ``Retry-After``), draining (503). The tenant of a call
+is its key's name (and ``user`` under it), so one key's text never drafts another's tokens.
+A client that disconnects from a stream cancels its call. The app only translates: the call
+itself is ``specagent.calls``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
+from sse_starlette import EventSourceResponse
+
+from ..backend import Backend
+from ..calls import CallChunk, CallSpec, run_call
+from ..errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    PolicyNotFoundError,
+    RuntimeClosedError,
+    RuntimeOverloadedError,
+    SpecAgentError,
+)
+from .keys import ApiKey, KeyStore
+from .limits import Limited, Limits
+from .wire import (
+    ChatCompletionRequest,
+    completion,
+    completion_id,
+    error_body,
+    final_delta,
+    stream_chunk,
+    to_template_messages,
+    usage_body,
+)
+
+__all__ = ["ServerOptions", "create_app"]
+
+log = logging.getLogger("specagent.server")
+
+POLICY_HEADER = "x-specagent-policy"
+POLICY_METADATA_KEY = "specagent_policy"
+TAGS_METADATA_KEY = "specagent_tags"
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    max_body_bytes: int = 1 << 20
+    """Larger request bodies get 413 before they are parsed."""
+    default_policy: str | None = None
+    """Policy of calls that name none and whose tags route nowhere (None: the runtime's
+    lossless default)."""
+    metrics: Callable[[], bytes] | None = None
+    """Prometheus text of the runtime's instruments (``specagent.server.metrics``)."""
+
+
+class _Draining:
+    def __init__(self) -> None:
+        self.on = False
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            error_body(str(self), self.kind, self.param, self.code),
+            status_code=self.status,
+            headers=self.headers,
+        )
+
+
+def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None = None) -> FastAPI:
+    """The app serving ``backend``. It does not own the backend: whoever made it closes it
+    (``specagent serve`` does, after draining)."""
+    options = options or ServerOptions()
+    limits = Limits()
+    draining = _Draining()
+    app = FastAPI(title="specagent", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend, app.state.keys, app.state.limits = backend, keys, limits
+    app.state.draining = draining
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        activity = _activity(backend)
+        ok = not draining.on and not activity.get("closing", False) and activity["measured"]
+        body = {"ready": ok, "draining": draining.on, **activity}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if options.metrics is None:
+            raise ApiError(404, "metrics are not enabled on this server", "not_found_error")
+        return PlainTextResponse(
+            options.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        key = _authenticate(keys, request)
+        name = backend.model_name
+        entries = [_model_entry(name, None, None)]
+        for policy in backend.policies:
+            if key.may_use(policy.name):
+                entries.append(_model_entry(f"{name}:{policy.name}", policy.mode, name))
+        return {"object": "list", "data": entries}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        # In this order: draining, key, then the body (an unauthenticated caller learns nothing
+        # about what a valid request looks like).
+        if draining.on:
+            raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
+        key = _authenticate(keys, request)
+        body = _parse(await request.body())
+        call = _call_spec(backend, body, request, key, options)
+        try:
+            release = limits.acquire(key)
+        except Limited as exc:
+            raise ApiError(
+                429,
+                str(exc),
+                "rate_limit_error",
+                code="rate_limited",
+                headers={"Retry-After": str(exc.retry_after)},
+            ) from None
+        model = body.model
+        request_id = completion_id()
+        chunks = run_call(backend, call, allow_incomplete=True)  # an async generator
+        try:
+            first = await _first(chunks)
+        except BaseException:
+            release()
+            await chunks.aclose()
+            raise
+        if not body.stream:
+            try:
+                text: list[str] = []
+                async for chunk in _chain(first, chunks):
+                    if chunk.result is None:
+                        text.append(chunk.text)
+                        continue
+                    whole = _whole(chunk, "".join(text))
+                    return JSONResponse(completion(request_id, model, whole))
+            finally:
+                release()
+                await chunks.aclose()
+            raise ApiError(500, "the call ended without a result", "server_error")
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _sse(request_id, model, _chain(first, chunks), include_usage, release)
+        return EventSourceResponse(events, ping=15, send_timeout=30)
+
+    @app.exception_handler(SpecAgentError)
+    async def _spec_error(request: Request, exc: SpecAgentError) -> Response:
+        return _as_api_error(exc).response()
+
+    app.state.drain = lambda: setattr(draining, "on", True)
+    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
+    return app
+
+
+class BodyLimit:
+    """413 for a request body over ``max_bytes``: at once from ``Content-Length``, or as soon as
+    a chunked body passes the limit (a plain ASGI middleware, so streaming responses and
+    client disconnects pass through untouched)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        length = headers.get(b"content-length", b"").decode("latin-1")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send, length)
+            return
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send, f"more than {self.max_bytes}")
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any, size: str) -> None:
+        message = f"request body of {size} bytes is over the limit of {self.max_bytes}"
+        error = ApiError(413, message, "invalid_request_error", code="body_too_large")
+        await error.response()(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _parse(raw: bytes) -> ChatCompletionRequest:
+    """The request body, or 422 naming the first field that is wrong."""
+    try:
+        return ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        text = f"{param}: {message}" if param else message
+        raise ApiError(422, text, "invalid_request_error", param) from None
+
+
+def _activity(backend: Backend) -> dict[str, Any]:
+    activity = getattr(backend, "activity", None)
+    if activity is None:  # another engine behind the seam: it answers, so it is ready
+        return {"running": 0, "queued": 0, "measured": True, "closing": False}
+    return dict(activity())
+
+
+def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "id": model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "specagent",
+    }
+    if mode is not None:
+        entry["specagent_mode"] = mode
+        entry["parent"] = parent
+    return entry
+
+
+def _authenticate(keys: KeyStore, request: Request) -> ApiKey:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    presented = token.strip() if scheme.lower() == "bearer" else None
+    key = keys.authenticate(presented)
+    if key is None:
+        message = (
+            "invalid API key" if presented else "missing API key (Authorization: Bearer <key>)"
+        )
+        raise ApiError(401, message, "authentication_error", code="invalid_api_key")
+    return key
+
+
+def _call_spec(
+    backend: Backend,
+    body: ChatCompletionRequest,
+    request: Request,
+    key: ApiKey,
+    options: ServerOptions,
+) -> CallSpec:
+    metadata = body.metadata or {}
+    policy = metadata.get(POLICY_METADATA_KEY) or request.headers.get(POLICY_HEADER)
+    model_name, _, suffix = body.model.partition(":")
+    if policy is None and suffix:
+        policy = suffix
+    if model_name != backend.model_name:
+        message = f"model {model_name!r} is not served here; this one is {backend.model_name!r}"
+        raise ApiError(404, message, "not_found_error", param="model", code="model_not_found")
+    tags = [t for t in (metadata.get(TAGS_METADATA_KEY) or "").split(",") if t.strip()]
+    tenant = key.name if not body.user else f"{key.name}/{body.user}"
+    try:
+        call = CallSpec.build(
+            to_template_messages(body.messages),
+            backend=backend,
+            policy=policy,
+            tags=[t.strip() for t in tags],
+            tenant=tenant,
+            default_policy=options.default_policy,
+            tools=body.tools,
+            tool_choice=body.tool_choice,
+            response_format=body.response_format,
+            stop=body.stop,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            max_tokens=body.budget,
+            seed=body.seed,
+        )
+    except ValueError as exc:  # InvalidRequestError and message translation
+        raise _as_api_error(exc) from None
+    chosen = _resolved_policy(backend, call)
+    if not key.may_use(chosen):
+        message = f"API key {key.name!r} may not use policy {chosen!r}"
+        raise ApiError(403, message, "permission_error", param="policy", code="policy_denied")
+    return call
+
+
+def _resolved_policy(backend: Backend, call: CallSpec) -> str:
+    """The policy the backend will run the call under (unknown names: 404)."""
+    policies = backend.policies
+    if call.policy is not None:
+        try:
+            return policies[call.policy].name
+        except PolicyNotFoundError as exc:
+            raise _as_api_error(exc) from None
+    routed = policies.route(list(call.tags)) if call.tags else None
+    return routed.name if routed is not None else policies.default.name
+
+
+def _as_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, PolicyNotFoundError):
+        return ApiError(404, str(exc), "not_found_error", param="policy", code="policy_not_found")
+    if isinstance(exc, ContextLengthError):
+        code = "context_length_exceeded"
+        return ApiError(400, str(exc), "invalid_request_error", param="messages", code=code)
+    if isinstance(exc, RuntimeOverloadedError):
+        return ApiError(
+            429,
+            str(exc),
+            "rate_limit_error",
+            code="overloaded",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(exc, RuntimeClosedError):
+        return ApiError(503, str(exc), "unavailable")
+    if isinstance(exc, (InvalidRequestError, ValueError)):
+        return ApiError(422, str(exc), "invalid_request_error", param=_param_of(str(exc)))
+    log.exception("call failed", exc_info=exc)
+    return ApiError(500, f"the call failed: {exc}", "server_error")
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(":", 1)[0].strip()
+    return head if head and " " not in head else None
+
+
+async def _first(chunks: AsyncGenerator[CallChunk, None]) -> CallChunk:
+    """The first chunk, so that errors before any output are answered with a status code."""
+    try:
+        return await chunks.__anext__()
+    except StopAsyncIteration:
+        raise ApiError(500, "the call ended without output", "server_error") from None
+    except SpecAgentError as exc:
+        raise _as_api_error(exc) from None
+
+
+async def _chain(
+    first: CallChunk, rest: AsyncGenerator[CallChunk, None]
+) -> AsyncGenerator[CallChunk, None]:
+    """``first`` then the rest; closing this closes ``rest`` (and so cancels the call)."""
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            await rest.aclose()
+
+
+def _whole(last: CallChunk, streamed: str) -> CallChunk:
+    """The last chunk with its content made the whole output's (text chunks + the rest)."""
+    return CallChunk(
+        result=last.result,
+        content=streamed + last.content,
+        tool_calls=last.tool_calls,
+        finish_reason=last.finish_reason,
+    )
+
+
+async def _sse(
+    request_id: str,
+    model: str,
+    chunks: AsyncGenerator[CallChunk, None],
+    include_usage: bool,
+    release: Callable[[], None],
+) -> AsyncIterator[dict[str, str]]:
+    """Server-sent events of one call. Closing this generator (the client went away) closes
+    ``chunks``, which cancels the call in the runtime."""
+    try:
+        yield _event(stream_chunk(request_id, model, {"role": "assistant", "content": ""}))
+        async for chunk in chunks:
+            if chunk.result is None:
+                if chunk.text:
+                    yield _event(stream_chunk(request_id, model, {"content": chunk.text}))
+                continue
+            delta = final_delta(chunk)
+            if not chunk.tool_calls and chunk.content:
+                delta["content"] = chunk.content
+            stats = {
+                "speculative_decoding_stats": completion(request_id, model, chunk)[
+                    "speculative_decoding_stats"
+                ]
+            }
+            yield _event(stream_chunk(request_id, model, delta, chunk.finish_reason, extra=stats))
+            if include_usage:
+                yield _event(stream_chunk(request_id, model, usage=usage_body(chunk.result)))
+        yield {"data": "[DONE]"}
+    except SpecAgentError as exc:  # after the first chunk: the status line is already sent
+        api = _as_api_error(exc)
+        yield _event(error_body(str(api), api.kind, api.param, api.code))
+    finally:
+        release()
+        with anyio.CancelScope(shield=True):
+            await chunks.aclose()
+
+
+def _event(body: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(body, separators=(",", ":"))}

@@ -1,0 +1,153 @@
+"""API keys: who may call the server, with which policies, at what rate.
+
+Keys are never kept in clear: a key file holds each key's SHA-256 (``specagent keys hash``
+prints it), and keys from the environment are hashed as they are read. A request's key is hashed
+and looked up in constant time per candidate (``hmac.compare_digest``). The server fails closed:
+with no keys configured it refuses to start unless it was told, explicitly, to run without
+authentication.
+
+Key file (YAML)::
+
+    keys:
+      - name: support-bot              # also the tenant of its calls (history isolation)
+        sha256: 9f86d081884c7d65...    # of the key itself
+        policies: [customer-reply, default]   # may use only these ("*": any)
+        requests_per_minute: 120       # optional
+        max_concurrent: 8              # optional
+
+``SPECAGENT_API_KEYS`` (comma-separated ``name=key`` pairs, or bare keys) adds keys that may use
+every policy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import SpecAgentError
+
+__all__ = ["ApiKey", "KeyConfigError", "KeyStore", "hash_key"]
+
+ENV_VAR = "SPECAGENT_API_KEYS"
+
+
+class KeyConfigError(SpecAgentError, ValueError):
+    """The key file or ``SPECAGENT_API_KEYS`` is malformed; the message names where."""
+
+
+def hash_key(key: str) -> str:
+    """The SHA-256 hex digest a key file stores for ``key``."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class ApiKey(BaseModel):
+    """One key's identity and allowances."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:@-]+$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    policies: tuple[str, ...] = ("*",)
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+
+    @field_validator("policies", mode="before")
+    @classmethod
+    def _listed(cls, value: object) -> object:
+        return (value,) if isinstance(value, str) else value
+
+    def may_use(self, policy: str) -> bool:
+        return "*" in self.policies or policy in self.policies
+
+
+class _KeyFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    keys: list[ApiKey]
+
+
+class KeyStore:
+    """The keys a server accepts. ``open=True`` (``specagent serve --no-auth``) accepts any
+    request as the anonymous tenant, for local development only."""
+
+    ANONYMOUS = ApiKey(name="anonymous", sha256="0" * 64)
+
+    def __init__(self, keys: Iterable[ApiKey] = (), open: bool = False) -> None:
+        self.keys: tuple[ApiKey, ...] = tuple(keys)
+        self.open = open
+        names = [key.name for key in self.keys]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise KeyConfigError(f"API key names must be unique; repeated: {duplicated}")
+        if not self.keys and not open:
+            msg = (
+                "no API keys configured: pass --api-keys FILE or set SPECAGENT_API_KEYS "
+                "(or --no-auth, for local development only)"
+            )
+            raise KeyConfigError(msg)
+
+    @classmethod
+    def load(
+        cls, file: str | Path | None = None, env: str | None = None, open: bool = False
+    ) -> KeyStore:
+        """Keys from ``file`` (YAML, hashed) and the ``SPECAGENT_API_KEYS`` value ``env``
+        (default: the environment's)."""
+        keys: list[ApiKey] = []
+        if file is not None:
+            keys.extend(_read_file(Path(file)))
+        raw = os.environ.get(ENV_VAR, "") if env is None else env
+        keys.extend(_parse_env(raw))
+        return cls(keys, open=open)
+
+    def authenticate(self, presented: str | None) -> ApiKey | None:
+        """The key ``presented`` (a bearer token) is, or None."""
+        if self.open and not self.keys:
+            return self.ANONYMOUS
+        if not presented:
+            return self.ANONYMOUS if self.open else None
+        digest = hash_key(presented)
+        found = None
+        for key in self.keys:  # no early exit: the time taken does not depend on which matched
+            if hmac.compare_digest(key.sha256, digest):
+                found = key
+        if found is None and self.open:
+            return self.ANONYMOUS
+        return found
+
+
+def _read_file(path: Path) -> list[ApiKey]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise KeyConfigError(f"{path}: cannot read the API key file: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise KeyConfigError(f"{path}: invalid YAML: {exc}") from exc
+    try:
+        return _KeyFile.model_validate(data).keys
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors()
+        )
+        raise KeyConfigError(f"{path}: {problems}") from exc
+
+
+def _parse_env(raw: str) -> Sequence[ApiKey]:
+    keys = []
+    for i, item in enumerate(part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        name, sep, key = item.partition("=")
+        if not sep:
+            name, key = f"env-{i}", item
+        if len(key) < 16:
+            raise KeyConfigError(f"{ENV_VAR}: key {name!r} is shorter than 16 characters")
+        try:
+            keys.append(ApiKey(name=name, sha256=hash_key(key)))
+        except ValidationError as exc:
+            raise KeyConfigError(f"{ENV_VAR}: invalid key name {name!r}") from exc
+    return keys

@@ -1,0 +1,58 @@
+"""Running the app: uvicorn, with a drain on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import uvicorn
+
+from .app import ServerOptions, create_app
+from .keys import KeyStore
+from .metrics import prometheus_metrics
+
+__all__ = ["DrainingServer", "serve"]
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that first marks the app draining (new calls and ``/ready``: 503) when
+    told to exit, then lets uvicorn wait for the calls in flight."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Any) -> None:
+        super().__init__(config)
+        self._on_drain = on_drain
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self._on_drain()
+        super().handle_exit(sig, frame)
+
+
+def serve(
+    target: str,
+    *,
+    draft: str | None = None,
+    policies: Any = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    keys: KeyStore,
+    options: ServerOptions | None = None,
+    drain_seconds: float = 30.0,
+    **runtime_options: Any,
+) -> None:
+    """Load the runtime (as ``SpecRuntime.from_pretrained``) and serve it until SIGTERM or
+    SIGINT; then drain (calls in flight finish within ``drain_seconds``) and close."""
+    from ..runtime import SpecRuntime
+
+    provider, render = prometheus_metrics()
+    runtime = SpecRuntime.from_pretrained(
+        target, draft=draft, policies=policies, meter_provider=provider, **runtime_options
+    )
+    options = dataclasses.replace(options or ServerOptions(), metrics=render)
+    app = create_app(runtime, keys, options)
+    config = uvicorn.Config(
+        app, host=host, port=port, timeout_graceful_shutdown=int(drain_seconds), log_level="info"
+    )
+    try:
+        DrainingServer(config, on_drain=app.state.drain).run()
+    finally:
+        runtime.close(drain=True)

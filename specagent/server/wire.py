@@ -1,0 +1,286 @@
+"""OpenAI's chat completions wire format: the request as a pydantic model, responses and
+stream chunks as dicts, errors in OpenAI's error shape.
+
+The request model says which fields are accepted; a field the server cannot honour (``n > 1``,
+``logprobs``, penalties) is refused by name rather than ignored, so a client never believes it
+got what it did not.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..calls import CallChunk
+from ..chat import ToolCall
+from ..results import GenerationResult, SpecStats
+
+__all__ = [
+    "ChatCompletionRequest",
+    "completion",
+    "error_body",
+    "stream_chunk",
+    "to_template_messages",
+    "usage_body",
+]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> Message:
+        if self.role in ("system", "developer", "user", "tool") and self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions``. Unknown fields are ignored, as OpenAI's clients add new
+    ones; known fields that cannot be honoured are refused."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = Field(default=None, max_length=256)
+    metadata: dict[str, str] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="only one choice per call")
+    logprobs: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties would change the model's distribution; not supported")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(value or ()):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict):
+                raise ValueError(f"tool {i}: only {{'type': 'function', 'function': ...}}")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tool {i}: function.name is required")
+        return value
+
+    @property
+    def budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Wire messages -> what a Hugging Face chat template takes (tool call arguments as
+    mappings, ``developer`` as ``system``)."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role
+        try:
+            entry: dict[str, Any] = {"role": role, "content": message.text()}
+        except ValueError as exc:
+            raise ValueError(f"messages.{i}.content: {exc}") from None
+        if message.tool_calls:
+            calls = []
+            for j, call in enumerate(message.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments or "{}")
+                except json.JSONDecodeError:
+                    msg = f"messages.{i}.tool_calls.{j}.function.arguments: not valid JSON"
+                    raise ValueError(msg) from None
+                calls.append(
+                    {
+                        "type": "function",
+                        "id": call.id,
+                        "function": {"name": call.function.name, "arguments": arguments},
+                    }
+                )
+            entry["tool_calls"] = calls
+        if role == "tool":
+            entry["tool_call_id"] = message.tool_call_id
+            if message.name:
+                entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _tool_calls(calls: tuple[ToolCall, ...], with_index: bool = False) -> list[dict[str, Any]]:
+    return [
+        {
+            **({"index": i} if with_index else {}),
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+        }
+        for i, call in enumerate(calls)
+    ]
+
+
+def speculative_stats(stats: SpecStats) -> dict[str, Any]:
+    """A superset of vLLM's per-request speculative decoding stats: drafts, draft tokens,
+    accepted tokens, acceptance per position, mean acceptance length, plus specagent's policy,
+    mode, drafter, divergence, fallback, grammar-forced tokens and where accepted tokens came
+    from."""
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "policy": stats.policy,
+        "mode": stats.mode,
+        "drafter": stats.drafter,
+        "divergence": stats.divergence,
+        "fell_back_to_lossless": stats.fell_back_to_lossless,
+        "num_forced_tokens": stats.num_forced_tokens,
+        "accepted_by_source": dict(stats.accepted_by_source),
+        "ttft_s": stats.ttft_s,
+        "latency_s": stats.latency_s,
+        "tokens_per_s": stats.tokens_per_s,
+    }
+
+
+def usage_body(result: GenerationResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.usage.input_tokens,
+        "completion_tokens": result.usage.output_tokens,
+        "total_tokens": result.usage.total_tokens,
+    }
+
+
+def completion(request_id: str, model: str, last: CallChunk) -> dict[str, Any]:
+    """The whole ``chat.completion`` object of a finished call."""
+    assert last.result is not None
+    message: dict[str, Any] = {"role": "assistant", "content": last.content or None}
+    if last.tool_calls:
+        message["tool_calls"] = _tool_calls(last.tool_calls)
+    elif message["content"] is None:
+        message["content"] = ""
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": last.finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_body(last.result),
+        "system_fingerprint": f"seed-{last.result.seed}",
+        "speculative_decoding_stats": speculative_stats(last.result.stats),
+    }
+
+
+def stream_chunk(
+    request_id: str,
+    model: str,
+    delta: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+    usage: dict[str, int] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` with ``usage``: the usage-only chunk that
+    ends a stream asked for with ``stream_options.include_usage``."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage is not None:
+        body["usage"] = usage
+    if extra:
+        body.update(extra)
+    return body
+
+
+def final_delta(last: CallChunk) -> dict[str, Any]:
+    """What the last chunk of a stream adds: held-back content, or the tool calls."""
+    if last.tool_calls:
+        return {"tool_calls": _tool_calls(last.tool_calls, with_index=True)}
+    return {}
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

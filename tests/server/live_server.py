@@ -1,0 +1,99 @@
+"""A live specagent server on localhost, over a tiny seeded model, for real HTTP clients
+(imported by the server tests: `from live_server import live, ...`)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+from conftest import make_model
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from specagent import SpecRuntime, shipped_policies
+from specagent.server import DrainingServer, KeyStore, ServerOptions, create_app, hash_key
+from specagent.server.metrics import prometheus_metrics
+
+KEYS = {
+    "full": "full-access-key-0123456789abcdef",
+    "customer": "customer-only-key-0123456789abcd",
+    "limited": "limited-rate-key-0123456789abcde",
+}
+KEY_FILE = f"""\
+keys:
+  - name: full
+    sha256: {hash_key(KEYS["full"])}
+  - name: customer
+    sha256: {hash_key(KEYS["customer"])}
+    policies: [customer-reply, default]
+  - name: limited
+    sha256: {hash_key(KEYS["limited"])}
+    requests_per_minute: 2
+"""
+
+
+@dataclass
+class Live:
+    url: str
+    runtime: SpecRuntime
+    app: object
+    spans: InMemorySpanExporter
+    model: str
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    path.write_text(KEY_FILE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def live(tokenizer, key_file: Path) -> Iterator[Live]:
+    """One server for the session: a 4k-context tiny model (long enough to cancel a call
+    mid-way), the shipped policies, keys from a file, metrics and in-memory spans."""
+    spans = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    meter_provider, render = prometheus_metrics()
+    target = make_model(len(tokenizer), seed=3, max_positions=4096)
+    runtime = SpecRuntime(
+        target=target,
+        tokenizer=tokenizer,
+        policies=shipped_policies(),
+        device="cpu",
+        model_name="tiny",
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+    )
+    app = create_app(runtime, KeyStore.load(key_file, env=""), ServerOptions(metrics=render))
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = DrainingServer(config, on_drain=app.state.drain)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield Live(f"http://127.0.0.1:{port}", runtime, app, spans, "tiny")
+    server.should_exit = True
+    thread.join(timeout=30)
+    runtime.close()

@@ -1,0 +1,317 @@
+"""The server against the official ``openai`` client, on a live localhost server: chat, stream,
+tools, structured output, every error status, models, readiness, metrics, disconnects."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from live_server import KEYS, Live, key_file, live  # fixtures by name
+
+MESSAGES = [{"role": "user", "content": "Hello world"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+        },
+    },
+}
+FORECAST = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "rain": {"type": "boolean"}},
+    "required": ["city", "rain"],
+}
+
+
+def client(live: Live, key: str = "full", **kwargs) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.base_url, api_key=KEYS[key], max_retries=0, **kwargs)
+
+
+def test_chat_completion_equals_the_runtime_alone_and_reports_speculation(live: Live) -> None:
+    reply = client(live).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=12, temperature=0, seed=1
+    )
+    alone = live.runtime.generate_sync(
+        MESSAGES, max_new_tokens=12, temperature=0, seed=1, tenant="other"
+    )
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == alone.text
+    assert choice.finish_reason == alone.finish_reason
+    assert reply.usage.prompt_tokens == alone.usage.input_tokens
+    assert reply.usage.completion_tokens == alone.usage.output_tokens
+    stats = reply.model_extra["speculative_decoding_stats"]
+    assert stats["policy"] == "default"
+    assert stats["mode"] == "lossless"
+    for field in (
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "mean_acceptance_length",
+    ):
+        assert field in stats
+    assert stats["divergence"] is None
+
+
+def test_stream_with_usage_gives_the_same_text(live: Live) -> None:
+    options = {"model": "tiny", "messages": MESSAGES, "max_tokens": 16, "temperature": 0}
+    whole = client(live).chat.completions.create(**options).choices[0].message.content
+    chunks = list(
+        client(live).chat.completions.create(
+            **options, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1
+    assert chunks[-1].choices == []  # the usage-only chunk closes the stream
+    assert chunks[-1].usage.completion_tokens > 0
+    assert "speculative_decoding_stats" in finishing[0].model_extra
+
+
+def test_policy_by_metadata_header_and_model_name(live: Live) -> None:
+    api = client(live)
+    base = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    by_metadata = api.chat.completions.create(
+        model="tiny", metadata={"specagent_policy": "internal-summary"}, **base
+    )
+    by_header = api.chat.completions.create(
+        model="tiny", extra_headers={"X-Specagent-Policy": "internal-summary"}, **base
+    )
+    by_name = api.chat.completions.create(model="tiny:internal-summary", **base)
+    by_tags = api.chat.completions.create(
+        model="tiny", metadata={"specagent_tags": "summary,internal"}, **base
+    )
+    for reply in (by_metadata, by_header, by_name, by_tags):
+        stats = reply.model_extra["speculative_decoding_stats"]
+        assert stats["policy"] == "internal-summary"
+        assert stats["mode"] == "relaxed"
+        assert stats["divergence"] is not None  # a relaxed call reports what it cost
+
+
+def test_tool_calls_required_and_named(live: Live) -> None:
+    api = client(live)
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        reply = api.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER],
+            tool_choice=choice,
+            max_tokens=80,
+            temperature=1.0,
+            seed=3,
+        )
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert message.tool_calls[0].function.name == "get_weather"
+        arguments = json.loads(message.tool_calls[0].function.arguments)
+        jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+        # the call and its result go back in, as an agent would send them
+        follow = api.chat.completions.create(
+            model="tiny",
+            messages=[
+                {"role": "user", "content": "Weather in Oslo?"},
+                message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "rain"},
+            ],
+            max_tokens=6,
+        )
+        assert follow.choices[0].message.content
+
+
+def test_streamed_tool_call(live: Live) -> None:
+    chunks = list(
+        client(live).chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=80,
+            stream=True,
+        )
+    )
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    json.loads(calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_structured_output_json_schema_and_json_object(live: Live) -> None:
+    api = client(live)
+    reply = api.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "forecast", "schema": FORECAST, "strict": True},
+        },
+        max_tokens=120,
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content), FORECAST)
+    as_object = api.chat.completions.create(
+        model="tiny", messages=MESSAGES, response_format={"type": "json_object"}, max_tokens=200
+    )
+    if as_object.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(as_object.choices[0].message.content), dict)
+    # cut by the budget: the partial output with finish_reason "length", as OpenAI answers
+    cut = api.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        response_format={"type": "json_schema", "json_schema": {"schema": FORECAST}},
+        max_tokens=2,
+    )
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.usage.completion_tokens == 2
+
+
+def test_keys_fail_closed(live: Live) -> None:
+    anonymous = openai.OpenAI(base_url=live.base_url, api_key="wrong-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as bad:
+        anonymous.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert bad.value.status_code == 401
+    assert bad.value.body["code"] == "invalid_api_key"
+    missing = httpx.post(f"{live.base_url}/chat/completions", json={"model": "tiny"})
+    assert missing.status_code == 401
+    assert "missing API key" in missing.json()["error"]["message"]
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.models.list()
+
+
+def test_a_key_may_use_only_its_policies(live: Live) -> None:
+    customer = client(live, "customer")
+    ok = customer.chat.completions.create(
+        model="tiny:customer-reply", messages=MESSAGES, max_tokens=2
+    )
+    assert ok.model_extra["speculative_decoding_stats"]["policy"] == "customer-reply"
+    for relaxed in (
+        {"model": "tiny:internal-summary"},
+        {"model": "tiny", "metadata": {"specagent_tags": "summary,internal"}},
+    ):
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            customer.chat.completions.create(messages=MESSAGES, max_tokens=2, **relaxed)
+        assert "may not use policy 'internal-summary'" in denied.value.message
+    listed = {m.id for m in customer.models.list()}
+    assert listed == {"tiny", "tiny:customer-reply", "tiny:default"}
+    everything = {m.id for m in client(live).models.list()}
+    assert {"tiny:legal-drafting", "tiny:internal-summary"} <= everything
+
+
+def test_unknown_policy_and_model_are_404(live: Live) -> None:
+    api = client(live)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        api.chat.completions.create(model="tiny:no-such-policy", messages=MESSAGES, max_tokens=2)
+    assert "customer-reply" in unknown.value.message  # the known policies are listed
+    with pytest.raises(openai.NotFoundError) as model:
+        api.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert model.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tool_choice": "get_time"}, None),
+        ({"response_format": {"type": "yaml"}}, None),
+        ({"logprobs": True}, "logprobs"),
+    ],
+)
+def test_bad_fields_are_422_naming_the_field(live: Live, fields: dict, param: str | None) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **fields}
+    with pytest.raises(openai.UnprocessableEntityError) as bad:
+        client(live).chat.completions.create(**body)
+    error = bad.value.body
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"].startswith(param), error
+    else:
+        assert any(word in error["message"] for word in ("tool_choice", "response_format"))
+
+
+def test_body_too_large_is_413(live: Live) -> None:
+    huge = {"model": "tiny", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    response = httpx.post(
+        f"{live.base_url}/chat/completions",
+        json=huge,
+        headers={"Authorization": f"Bearer {KEYS['full']}"},
+    )
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "body_too_large"
+
+
+def test_rate_limit_is_429_with_retry_after(live: Live) -> None:
+    limited = client(live, "limited")
+    for _ in range(2):
+        limited.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as refused:
+        limited.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
+    assert "2 requests per minute" in refused.value.message
+    client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+
+
+def test_draining_is_503_and_not_ready(live: Live) -> None:
+    draining = live.app.state.draining
+    draining.on = True
+    try:
+        with pytest.raises(openai.InternalServerError) as refused:
+            client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+        assert refused.value.status_code == 503
+        assert httpx.get(f"{live.url}/ready").status_code == 503
+    finally:
+        draining.on = False
+    assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
+    live.runtime.wait_measured(60)
+    ready = httpx.get(f"{live.url}/ready")
+    assert ready.status_code == 200
+    assert ready.json()["measured"] is True
+
+
+def test_metrics_are_prometheus_text_of_the_runtime_instruments(live: Live) -> None:
+    client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    text = httpx.get(f"{live.url}/metrics").text
+    assert "# TYPE gen_ai_client_operation_duration" in text
+    assert 'specagent_policy="default"' in text
+
+
+def test_a_client_that_disconnects_cancels_its_call(live: Live) -> None:
+    """The call is cut short in the runtime (its span ends unfinished, far below its budget)
+    and its key's slot is given back: no work continues for a client that left."""
+    saved = live.runtime.eos_token_ids
+    live.runtime.eos_token_ids = []  # nothing ends the call early but the client
+    live.spans.clear()
+    try:
+        with httpx.stream(
+            "POST",
+            f"{live.base_url}/chat/completions",
+            json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4000, "stream": True},
+            headers={"Authorization": f"Bearer {KEYS['full']}"},
+        ) as response:
+            lines = response.iter_lines()
+            received = [line for _, line in zip(range(6), lines, strict=False) if line]
+        assert len(received) >= 3
+        deadline = time.monotonic() + 10
+        while live.runtime.activity()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert live.runtime.activity()["running"] == 0
+        spans = [s for s in live.spans.get_finished_spans() if s.name.startswith("chat")]
+        assert spans, "the call's span was not ended"
+        assert spans[-1].attributes.get("error.type") is not None  # ended unfinished
+        assert live.app.state.limits.in_flight("full") == 0
+    finally:
+        live.runtime.eos_token_ids = saved
