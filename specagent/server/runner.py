@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
+from sse_starlette.sse import AppStatus
 
 from .app import ServerOptions, create_app
 from .keys import KeyStore
@@ -21,10 +26,28 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_drain: Any) -> None:
         super().__init__(config)
         self._on_drain = on_drain
+        # sse-starlette would end every open stream at SIGTERM; a drain lets them finish
+        # (uvicorn's timeout_graceful_shutdown still bounds how long).
+        AppStatus.disable_automatic_graceful_drain()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self._on_drain()
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGTERM/SIGINT start the drain; once it is done ``run`` returns normally (exit
+        status 0, the runtime closed by ``serve``) instead of re-raising the signal."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach only the main thread; whoever runs us stops us
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def serve(

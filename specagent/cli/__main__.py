@@ -1,0 +1,7 @@
+"""``python -m specagent.cli``: the command line."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,81 @@
+"""langchain-openai's ``ChatOpenAI`` pointed at a live specagent server: invoke, stream,
+bind_tools and with_structured_output, as an app in another process would use it."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from live_server import KEYS, Live, key_file, live  # fixtures by name
+from pydantic import BaseModel, Field
+
+
+class Forecast(BaseModel):
+    """A weather forecast."""
+
+    city: str = Field(max_length=10)
+    rain: bool
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Weather in a city."""
+    return f"rain in {city}"
+
+
+def chat(live: Live, **kwargs) -> ChatOpenAI:
+    return ChatOpenAI(
+        model="tiny", base_url=live.base_url, api_key=KEYS["full"], max_retries=0, **kwargs
+    )
+
+
+def test_invoke_and_stream_agree(live: Live) -> None:
+    model = chat(live, temperature=0, max_tokens=12, stream_usage=True)
+    message = model.invoke("Hello world")
+    assert isinstance(message, AIMessage)
+    assert message.content
+    assert message.usage_metadata["output_tokens"] > 0
+    streamed = list(model.stream("Hello world"))
+    assert "".join(str(c.content) for c in streamed) == message.content
+    total = streamed[0]
+    for piece in streamed[1:]:
+        total = total + piece
+    assert total.usage_metadata["output_tokens"] == message.usage_metadata["output_tokens"]
+
+
+def test_bind_tools_and_a_tool_loop(live: Live) -> None:
+    model = chat(live, temperature=1.0, max_tokens=80, seed=2)
+    called = model.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Oslo?")
+    assert called.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(called.tool_calls[0]["args"]["city"], str)
+    result = get_weather.invoke(called.tool_calls[0])
+    assert isinstance(result, ToolMessage)
+    answer = chat(live, max_tokens=8).invoke([HumanMessage("Weather in Oslo?"), called, result])
+    assert answer.content
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_with_structured_output(live: Live, method: str) -> None:
+    model = chat(live, temperature=1.0, max_tokens=160, seed=5)
+    if method == "json_mode":
+        schema = {"type": "object"}
+        parsed = model.with_structured_output(schema, method=method).invoke("Forecast for Oslo")
+        assert isinstance(parsed, dict)
+        return
+    forecast = model.with_structured_output(Forecast, method=method).invoke("Forecast for Oslo")
+    assert isinstance(forecast, Forecast)
+
+
+def test_a_denied_policy_reaches_langchain_as_an_error(live: Live) -> None:
+    import openai
+
+    customer = ChatOpenAI(
+        model="tiny:internal-summary",
+        base_url=live.base_url,
+        api_key=KEYS["customer"],
+        max_retries=0,
+        max_tokens=4,
+    )
+    with pytest.raises(openai.PermissionDeniedError):
+        customer.invoke("Hello")
