@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 import uvicorn
 from conftest import make_model
@@ -50,6 +52,13 @@ class Live:
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
+
+
+@functools.cache
+def sync_client(base_url: str, api_key: str) -> openai.OpenAI:
+    """One ``openai`` client per server and key for the whole session (clients left to the
+    garbage collector would leave their sockets for it too)."""
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
 
 
 def free_port() -> int:

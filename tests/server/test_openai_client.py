@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import KEYS, Live, key_file, live  # fixtures by name
+from live_server import KEYS, Live, key_file, live, sync_client  # fixtures by name
 
 MESSAGES = [{"role": "user", "content": "Hello world"}]
 WEATHER = {
@@ -32,8 +32,8 @@ FORECAST = {
 }
 
 
-def client(live: Live, key: str = "full", **kwargs) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.base_url, api_key=KEYS[key], max_retries=0, **kwargs)
+def client(live: Live, key: str = "full") -> openai.OpenAI:
+    return sync_client(live.base_url, KEYS[key])
 
 
 def test_chat_completion_equals_the_runtime_alone_and_reports_speculation(live: Live) -> None:
@@ -176,7 +176,7 @@ def test_structured_output_json_schema_and_json_object(live: Live) -> None:
 
 
 def test_keys_fail_closed(live: Live) -> None:
-    anonymous = openai.OpenAI(base_url=live.base_url, api_key="wrong-key", max_retries=0)
+    anonymous = sync_client(live.base_url, "wrong-key")
     with pytest.raises(openai.AuthenticationError) as bad:
         anonymous.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     assert bad.value.status_code == 401

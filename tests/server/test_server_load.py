@@ -11,7 +11,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from live_server import KEYS, Live, key_file, live  # fixtures by name
+from live_server import KEYS, Live, key_file, live, sync_client  # fixtures by name
 
 CLIENTS = 64
 WORDS = ["order", "refund", "parcel", "invoice", "meeting", "summary", "code", "weather"]
@@ -26,7 +26,7 @@ def budget(i: int) -> int:
 
 
 def alone(live: Live) -> list[str]:
-    api = openai.OpenAI(base_url=live.base_url, api_key=KEYS["full"], max_retries=0)
+    api = sync_client(live.base_url, KEYS["full"])
     return [
         api.chat.completions.create(
             model="tiny", messages=prompt(i), max_tokens=budget(i), temperature=0

@@ -1,0 +1,219 @@
+"""The HTTP server's cost and behaviour under load, side by side with the in-process runtime.
+
+    python benchmarks/server_load.py              # tiny random model, Qwen2.5-Coder tokenizer
+    python benchmarks/server_load.py --calls 100 --clients 64
+
+1. Overhead: the same greedy calls (one token each by default, so the server's share shows)
+   through ``runtime.generate`` in-process and through ``POST /v1/chat/completions`` on a
+   localhost server (one keep-alive HTTP client), interleaved call by call; the median of the
+   paired differences is what the server adds to a call.
+2. Concurrency: ``--clients`` streaming clients at once (SSE), each client's time to first
+   content chunk (p50/p95) and the wall time, and whether every response equals the same call
+   alone (greedy). Only localhost traffic; every loop is bounded.
+
+Writes ``benchmarks/results/server_load_<model>.json`` with the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_load import tiny_model
+
+from specagent import SpecRuntime, shipped_policies
+from specagent.catalog import resolve_model
+from specagent.machine import machine_info
+from specagent.server import DrainingServer, KeyStore, ServerOptions, create_app
+
+KEY = "bench-key-0123456789abcdefghij"
+TOPICS = ["order", "refund", "parcel", "invoice", "meeting", "summary", "code", "weather"]
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"A question about the {TOPICS[i % 8]}, number {i}."}]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def start_server(runtime: SpecRuntime) -> tuple[str, DrainingServer, threading.Thread]:
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    app = create_app(runtime, KeyStore.load(env=f"bench={KEY}"), ServerOptions())
+    server = DrainingServer(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
+        on_drain=app.state.drain,
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+async def overhead(runtime: SpecRuntime, url: str, calls: int, tokens: int) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    local, remote = [], []
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+        for i in range(calls + 3):
+            prompt = messages(i)
+            start = time.perf_counter()
+            result = await runtime.generate(prompt, max_new_tokens=tokens, temperature=0)
+            local_s = time.perf_counter() - start
+            start = time.perf_counter()
+            response = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": runtime.model_name,
+                    "messages": prompt,
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                },
+            )
+            remote_s = time.perf_counter() - start
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["message"]["content"] == result.text
+            if i >= 3:  # the first calls warm both paths up
+                local.append(local_s)
+                remote.append(remote_s)
+    paired = [r - loc for r, loc in zip(remote, local, strict=True)]
+    return {
+        "calls": calls,
+        "max_tokens": tokens,
+        "in_process_median_ms": 1000 * statistics.median(local),
+        "http_median_ms": 1000 * statistics.median(remote),
+        "overhead_median_ms": 1000 * statistics.median(paired),
+        "overhead_p95_ms": 1000 * percentile(paired, 0.95),
+    }
+
+
+async def concurrent_streams(
+    runtime: SpecRuntime, url: str, clients: int, tokens: int
+) -> dict[str, Any]:
+    alone = [
+        (await runtime.generate(messages(i), max_new_tokens=tokens, temperature=0)).text
+        for i in range(clients)
+    ]
+    ttft: dict[int, float] = {}
+    texts: dict[int, str] = {}
+    limits = httpx.Limits(max_connections=clients + 8)
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120, limits=limits
+    ) as client:
+
+        async def one(i: int) -> None:
+            body = {
+                "model": runtime.model_name,
+                "messages": messages(i),
+                "max_tokens": tokens,
+                "temperature": 0,
+                "stream": True,
+            }
+            start = time.perf_counter()
+            parts: list[str] = []
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    choices = json.loads(line[6:])["choices"]
+                    text = choices[0]["delta"].get("content") if choices else None
+                    if text and i not in ttft:
+                        ttft[i] = time.perf_counter() - start
+                    parts.append(text or "")
+            texts[i] = "".join(parts)
+
+        start = time.perf_counter()
+        with anyio.fail_after(600):
+            async with anyio.create_task_group() as group:
+                for i in range(clients):
+                    group.start_soon(one, i)
+        wall = time.perf_counter() - start
+    values = list(ttft.values())
+    return {
+        "clients": clients,
+        "max_tokens": tokens,
+        "wall_s": wall,
+        "ttft_p50_ms": 1000 * statistics.median(values),
+        "ttft_p95_ms": 1000 * percentile(values, 0.95),
+        "complete": len(texts) == clients,
+        "equal_to_alone": sum(texts.get(i) == alone[i] for i in range(clients)),
+        "idle_after": runtime.activity(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--tokenizer",
+        default="qwen2.5-coder-0.5b-instruct",
+        help="catalog name or path of the tokenizer the tiny model uses",
+    )
+    parser.add_argument("--calls", type=int, default=60, help="calls per path for the overhead")
+    parser.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    parser.add_argument(
+        "--tokens", type=int, default=16, help="max_tokens per call of the concurrent streams"
+    )
+    parser.add_argument(
+        "--overhead-tokens",
+        type=int,
+        default=1,
+        help="max_tokens per call when measuring overhead (short: the server's share shows)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
+    runtime = SpecRuntime(
+        target=tiny_model(tokenizer),
+        tokenizer=tokenizer,
+        policies=shipped_policies(),
+        device="cpu",
+        model_name="tiny",
+        prefix_cache_tokens=0,  # each call pays its own prefill: the same work on both paths
+    )
+    runtime.wait_measured()
+    url, server, thread = start_server(runtime)
+    try:
+        report: dict[str, Any] = {
+            "model": f"tiny-llama-4x128 ({args.tokenizer} tokenizer)",
+            "machine": machine_info(),
+            "overhead": anyio.run(overhead, runtime, url, args.calls, args.overhead_tokens),
+        }
+        print(json.dumps(report["overhead"], indent=1), flush=True)
+        report["concurrency"] = anyio.run(
+            concurrent_streams, runtime, url, args.clients, args.tokens
+        )
+        print(json.dumps(report["concurrency"], indent=1), flush=True)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        runtime.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "server_load_tiny.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
