@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +40,6 @@ from runtime_load import tiny_model
 from specagent import SpecRuntime, shipped_policies
 from specagent.catalog import resolve_model
 from specagent.machine import machine_info
-from specagent.server import DrainingServer, KeyStore, ServerOptions, create_app
 
 KEY = "bench-key-0123456789abcdefghij"
 TOPICS = ["order", "refund", "parcel", "invoice", "meeting", "summary", "code", "weather"]
@@ -51,24 +54,31 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def start_server(runtime: SpecRuntime) -> tuple[str, DrainingServer, threading.Thread]:
-    import socket
-
-    import uvicorn
-
+def start_server(model_dir: Path, cache: Path) -> tuple[str, subprocess.Popen]:
+    """``specagent serve`` in its own process, as it is deployed (a client in the same process
+    would share the GIL with it and measure thread hand-offs, not the server)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    app = create_app(runtime, KeyStore.load(env=f"bench={KEY}"), ServerOptions())
-    server = DrainingServer(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"),
-        on_drain=app.state.drain,
+    env = {**os.environ, "SPECAGENT_API_KEYS": f"bench={KEY}", "SPECAGENT_CACHE": str(cache)}
+    command = [sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir)]
+    process = subprocess.Popen(
+        [*command, "--port", str(port), "--dtype", "float32"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server, thread
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the server did not start")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return url, process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
 
 
 async def overhead(runtime: SpecRuntime, url: str, calls: int, tokens: int) -> dict[str, Any]:
@@ -157,7 +167,7 @@ async def concurrent_streams(
         "ttft_p95_ms": 1000 * percentile(values, 0.95),
         "complete": len(texts) == clients,
         "equal_to_alone": sum(texts.get(i) == alone[i] for i in range(clients)),
-        "idle_after": runtime.activity(),
+        "server_ready_after": httpx.get(f"{url}/ready", timeout=5).json(),
     }
 
 
@@ -184,31 +194,35 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
-    runtime = SpecRuntime(
-        target=tiny_model(tokenizer),
-        tokenizer=tokenizer,
-        policies=shipped_policies(),
-        device="cpu",
-        model_name="tiny",
-        prefix_cache_tokens=0,  # each call pays its own prefill: the same work on both paths
-    )
-    runtime.wait_measured()
-    url, server, thread = start_server(runtime)
-    try:
-        report: dict[str, Any] = {
-            "model": f"tiny-llama-4x128 ({args.tokenizer} tokenizer)",
-            "machine": machine_info(),
-            "overhead": anyio.run(overhead, runtime, url, args.calls, args.overhead_tokens),
-        }
-        print(json.dumps(report["overhead"], indent=1), flush=True)
-        report["concurrency"] = anyio.run(
-            concurrent_streams, runtime, url, args.clients, args.tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny"
+        tiny_model(tokenizer).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        # the same weights in this process, as the in-process baseline
+        runtime = SpecRuntime.from_pretrained(
+            str(model_dir),
+            policies=shipped_policies(),
+            dtype="float32",  # as the server is started: same weights, dtype, prefix cache
+            probe_store=None,
         )
-        print(json.dumps(report["concurrency"], indent=1), flush=True)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        runtime.close()
+        runtime.wait_measured()
+        url, server = start_server(model_dir, Path(tmp))
+        try:
+            report: dict[str, Any] = {
+                "model": f"tiny-llama-4x128 ({args.tokenizer} tokenizer), float32",
+                "machine": machine_info(),
+                "server": "specagent serve in its own process, localhost",
+                "overhead": anyio.run(overhead, runtime, url, args.calls, args.overhead_tokens),
+            }
+            print(json.dumps(report["overhead"], indent=1), flush=True)
+            report["concurrency"] = anyio.run(
+                concurrent_streams, runtime, url, args.clients, args.tokens
+            )
+            print(json.dumps(report["concurrency"], indent=1), flush=True)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+            runtime.close()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "server_load_tiny.json"
     path.write_text(json.dumps(report, indent=1) + "\n")

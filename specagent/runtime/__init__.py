@@ -259,6 +259,12 @@ class SpecRuntime:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def start(self) -> SpecRuntime:
+        """Start the worker now, so the step costs are measured before the first call (a
+        server does this at start-up; otherwise the first call starts it)."""
+        self._ensure_worker()
+        return self
+
     def wait_measured(self, timeout: float | None = None) -> bool:
         """Block until the worker has measured the step costs of every drafting policy (calls
         plan with a prior until then); False if ``timeout`` passed first."""

@@ -69,7 +69,7 @@ def serve(
     provider, render = prometheus_metrics()
     runtime = SpecRuntime.from_pretrained(
         target, draft=draft, policies=policies, meter_provider=provider, **runtime_options
-    )
+    ).start()  # step costs measured from now: /ready says when
     options = dataclasses.replace(options or ServerOptions(), metrics=render)
     app = create_app(runtime, keys, options)
     config = uvicorn.Config(
