@@ -112,6 +112,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        return _serve_on_ray(args)
     try:
         from ..server import KeyStore, ServerOptions, serve
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -133,6 +135,51 @@ def _serve(args: argparse.Namespace) -> int:
         drain_seconds=args.drain_seconds,
         dtype=args.dtype,
         max_queue=args.max_queue,
+    )
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    try:
+        from ..server import ray_app
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        msg = f'--ray needs the ray extra: pip install "specagent[ray]" ({exc})'
+        raise SpecAgentError(msg) from exc
+    groups = {}
+    for spec in args.group:
+        name, sep, members = spec.partition("=")
+        if not sep or not name or not members:
+            raise SpecAgentError(f"--group takes NAME=POLICY,POLICY; got {spec!r}")
+        groups[name] = [m.strip() for m in members.split(",") if m.strip()]
+    target, draft = _target_and_draft(args)
+    options = {
+        "target": target,
+        "draft": draft,
+        "policies": args.policies,
+        "replicas": args.replicas,
+        "groups": groups,
+        "cpus_per_replica": args.cpus_per_replica,
+        "gpus_per_replica": args.gpus_per_replica,
+        "key_file": str(args.api_keys) if args.api_keys else None,
+        "no_auth": args.no_auth,
+    }
+    if args.write_config:
+        path = ray_app.write_config(args.write_config, **options)
+        print(f"wrote {path}; deploy it with: serve deploy {path}")
+        return 0
+    import ray
+    from ray import serve
+
+    from ..server import KeyStore
+
+    KeyStore.load(args.api_keys, open=args.no_auth)  # fail closed here, before Ray starts
+    ray.init()  # joins the cluster at RAY_ADDRESS if there is one, else starts a local one
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(
+        ray_app.app_builder({k: v for k, v in options.items() if v is not None}),
+        name="specagent",
+        route_prefix="/",
+        blocking=True,
     )
     return 0
 

@@ -232,6 +232,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long calls in flight may take to finish",
     )
     serve.add_argument("--dtype", default="auto", choices=DTYPES, help="target dtype")
+    serve.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve (extra `ray`): replicas of the runtime behind one ingress, "
+        "conversations routed to the replica that has their prefix",
+    )
+    serve.add_argument(
+        "--replicas", type=int, default=2, help="with --ray: replicas of the default group"
+    )
+    serve.add_argument(
+        "--group",
+        action="append",
+        default=[],
+        metavar="NAME=POLICY,POLICY",
+        help="with --ray: pin policies to their own replica group (repeatable)",
+    )
+    serve.add_argument(
+        "--cpus-per-replica", type=float, default=1.0, help="with --ray: CPUs each replica holds"
+    )
+    serve.add_argument(
+        "--gpus-per-replica", type=float, default=0.0, help="with --ray: GPUs each replica holds"
+    )
+    serve.add_argument(
+        "--write-config",
+        type=Path,
+        help="with --ray: write a Ray Serve config file for these options (for `serve deploy` "
+        "on a cluster) and exit",
+    )
 
     keys = _command(
         sub,

@@ -1,0 +1,307 @@
+"""Scale-out on Ray Serve: the same OpenAI-compatible app in front of N runtime replicas.
+
+::
+
+    ingress (1 replica: keys, limits, policies, the wire format; specagent.server.app)
+       |  RemoteBackend: the call's policy -> its replica group
+       v
+    spec-default  [SpecReplica x N]     a SpecRuntime each, on its own CPU or GPU slot
+    spec-<group>  [SpecReplica x M]     policies pinned to their own replicas (isolation)
+
+Routing keeps a conversation on the replica that served it before (``PrefixAffinityRouter``:
+rendezvous hashing of the conversation's first messages, so the replica's prefix cache and
+history hold its prefix), falling back to the least loaded replica when that one is full.
+``serve run specagent.server.ray_app:app_builder target=... replicas=2`` or
+``specagent serve --ray`` deploys it; ``write_config`` writes a Serve config file for a cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import yaml
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from ..errors import GenerationError, SpecAgentError
+from ..policy import PolicySet, load_policies, shipped_policies
+from ..results import GenerationResult, StreamChunk
+from .app import ServerOptions, create_app
+from .keys import KeyStore
+
+__all__ = [
+    "PrefixAffinityRouter",
+    "RemoteBackend",
+    "SpecReplica",
+    "app_builder",
+    "build_app",
+    "conversation_key",
+    "rank_replicas",
+    "write_config",
+]
+
+DEFAULT_GROUP = "default"
+
+
+def conversation_key(prompt: Any) -> str:
+    """What identifies a conversation across its turns: its first two messages (the system
+    prompt and the opening question), or the prompt's first 256 characters or ids."""
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
+        head: Any = [(m.get("role"), m.get("content")) for m in prompt[:2]]
+    elif isinstance(prompt, str):
+        head = prompt[:256]
+    else:
+        head = list(prompt or ())[:256]
+    return hashlib.sha256(json.dumps(head, default=str).encode()).hexdigest()
+
+
+def rank_replicas(key: str, replicas: Sequence[str]) -> list[str]:
+    """Replica ids by rendezvous (highest random weight) hashing of ``key``: the first is the
+    conversation's home; a replica that joins or leaves moves only the conversations whose
+    home it is."""
+
+    def weight(replica: str) -> int:
+        return int.from_bytes(hashlib.sha256(f"{key}:{replica}".encode()).digest()[:8], "big")
+
+    return sorted(replicas, key=weight, reverse=True)
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Ranks replicas for a call: first the one its conversation hashes to (highest random
+    weight, so adding or losing a replica moves only the conversations that lived there), then
+    the others. Ray Serve takes the first rank with a free slot, and within a rank the replica
+    with the shortest queue."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is None or len(candidate_replicas) < 2 or not pending_request.args:
+            return [candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        ranked = rank_replicas(conversation_key(pending_request.args[0]), list(by_id))
+        return [[by_id[ranked[0]]], [by_id[i] for i in ranked[1:]]]
+
+
+@serve.deployment
+class SpecReplica:
+    """One runtime on one slot. ``stream`` yields the runtime's ``StreamChunk``s; a caller
+    that stops reading cancels the call here."""
+
+    def __init__(
+        self,
+        target: str,
+        draft: str | None,
+        policies: PolicySet,
+        threads: int | None,
+        runtime_options: dict[str, Any],
+    ) -> None:
+        import torch
+
+        from ..runtime import SpecRuntime
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.runtime = SpecRuntime.from_pretrained(
+            target, draft=draft, policies=policies, **runtime_options
+        ).start()
+
+    async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        async for chunk in self.runtime.stream(prompt, **kwargs):
+            yield chunk
+
+    def activity(self) -> dict[str, Any]:
+        return self.runtime.activity()
+
+    def __del__(self) -> None:
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None:
+            runtime.close(drain=False)
+
+
+class RemoteBackend:
+    """A ``Backend`` whose calls run on ``SpecReplica`` groups through Ray Serve handles.
+
+    The ingress resolves each call's policy (so that the key check, the group and the replica
+    agree) and sends it to the group that policy is pinned to. A replica that dies before the
+    first token surfaces as ``GenerationError`` (the call layer retries it on another replica);
+    after the first token, as an error event in the stream."""
+
+    def __init__(
+        self,
+        model_name: str,
+        policies: PolicySet,
+        handles: Mapping[str, Any],
+        groups: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.policies = policies
+        self._handles = dict(handles)
+        self._group_of = {p: g for g, names in (groups or {}).items() for p in names}
+
+    def group_of(self, policy: str) -> str:
+        return self._group_of.get(policy, DEFAULT_GROUP)
+
+    async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+        name = kwargs.get("policy")
+        if name is None:
+            routed = self.policies.route(list(kwargs.get("tags") or ()))
+            name = routed.name if routed is not None else self.policies.default.name
+        policy = self.policies[name].name  # PolicyNotFoundError for an unknown name
+        handle = self._handles[self.group_of(policy)]
+        response = handle.options(stream=True).stream.remote(prompt, **{**kwargs, "policy": policy})
+        finished = False
+        try:
+            async for chunk in response:
+                finished = chunk.result is not None
+                yield chunk
+        except SpecAgentError:
+            raise
+        except Exception as exc:  # the replica died or could not be reached
+            raise GenerationError(f"the replica serving this call failed: {exc}") from exc
+        finally:
+            if not finished:
+                response.cancel()
+
+    async def generate(self, prompt: Any, **kwargs: Any) -> GenerationResult:
+        async for chunk in self.stream(prompt, **kwargs):
+            if chunk.result is not None:
+                return chunk.result
+        raise GenerationError("the replica ended the call without a result")
+
+    async def aclose(self, drain: bool = True) -> None:
+        """The replicas belong to Ray Serve; nothing to close here."""
+
+    def close(self, drain: bool = True) -> None:
+        """The replicas belong to Ray Serve; nothing to close here."""
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})  # light: no model
+@serve.ingress()
+class Ingress:
+    """The OpenAI-compatible app (``create_app``) over a ``RemoteBackend``."""
+
+    def __init__(
+        self,
+        model_name: str,
+        policies: PolicySet,
+        groups: dict[str, list[str]],
+        key_file: str | None,
+        no_auth: bool,
+        options: ServerOptions,
+        **handles: Any,
+    ) -> None:
+        self.backend = RemoteBackend(model_name, policies, handles, groups)
+        self.keys = KeyStore.load(key_file, open=no_auth)
+        self.options = options
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_app(self.backend, self.keys, self.options)
+
+
+def build_app(
+    target: str,
+    *,
+    draft: str | None = None,
+    policies: PolicySet | str | None = None,
+    replicas: int = 2,
+    groups: Mapping[str, Sequence[str]] | None = None,
+    group_replicas: int = 1,
+    cpus_per_replica: float = 1.0,
+    gpus_per_replica: float = 0.0,
+    autoscaling: Mapping[str, Any] | None = None,
+    max_ongoing_requests: int = 64,
+    key_file: str | None = None,
+    no_auth: bool = False,
+    model_name: str | None = None,
+    options: ServerOptions | None = None,
+    runtime_options: Mapping[str, Any] | None = None,
+) -> Any:
+    """The Ray Serve application: an ingress and one replica group per policy group.
+
+    ``groups`` pins policies to their own replica groups (``{"sensitive": ["legal-drafting",
+    "medical-summary"]}``: those calls never share a replica, a cache or a history with the
+    others). ``autoscaling`` is Ray Serve's ``autoscaling_config`` for every group (then
+    ``replicas`` is ignored). Each replica holds ``cpus_per_replica`` CPUs (torch uses as many
+    threads) and ``gpus_per_replica`` GPUs."""
+    policy_set = _policy_set(policies)
+    groups = {name: list(members) for name, members in (groups or {}).items()}
+    unknown = sorted({p for members in groups.values() for p in members} - set(policy_set.names()))
+    if unknown:
+        raise SpecAgentError(f"policy groups name unknown policies: {unknown}")
+    if DEFAULT_GROUP in groups:
+        raise SpecAgentError(f"{DEFAULT_GROUP!r} is the group of every unpinned policy")
+    name = model_name or Path(target).name
+    threads = max(1, int(cpus_per_replica)) if not gpus_per_replica else None
+    router = RequestRouterConfig(
+        request_router_class="specagent.server.ray_app:PrefixAffinityRouter"  # type: ignore[arg-type]
+    )
+    handles = {}
+    for group, count in [(DEFAULT_GROUP, replicas), *((g, group_replicas) for g in groups)]:
+        deployment = cast(Any, SpecReplica).options(
+            name=f"spec-{group}",
+            num_replicas="auto" if autoscaling else count,
+            autoscaling_config=dict(autoscaling) if autoscaling else None,
+            max_ongoing_requests=max_ongoing_requests,
+            ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
+            request_router_config=router,
+        )
+        handles[group] = deployment.bind(
+            target, draft, policy_set, threads, {"model_name": name, **(runtime_options or {})}
+        )
+    return cast(Any, Ingress).bind(
+        name, policy_set, groups, key_file, no_auth, options or ServerOptions(), **handles
+    )
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """For ``serve run specagent.server.ray_app:app_builder target=... replicas=2`` and Serve
+    config files: ``args`` are ``build_app``'s keywords (``groups`` as
+    ``{"group": ["policy", ...]}``, numbers as numbers or strings)."""
+    args = dict(args)
+    target = args.pop("target")
+    for key in ("replicas", "group_replicas", "max_ongoing_requests"):
+        if key in args:
+            args[key] = int(args[key])
+    for key in ("cpus_per_replica", "gpus_per_replica"):
+        if key in args:
+            args[key] = float(args[key])
+    if isinstance(args.get("groups"), str):
+        args["groups"] = json.loads(args["groups"])
+    if isinstance(args.get("no_auth"), str):
+        args["no_auth"] = args["no_auth"].lower() in {"1", "true", "yes"}
+    return build_app(target, **args)
+
+
+def write_config(path: str | Path, **args: Any) -> Path:
+    """A Ray Serve config file (``serve deploy path``) for ``app_builder`` with ``args``."""
+    config = {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "applications": [
+            {
+                "name": "specagent",
+                "route_prefix": "/",
+                "import_path": "specagent.server.ray_app:app_builder",
+                "args": args,
+            }
+        ],
+    }
+    out = Path(path)
+    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def _policy_set(policies: PolicySet | str | None) -> PolicySet:
+    shipped = shipped_policies()
+    if policies is None:
+        return shipped
+    if isinstance(policies, PolicySet):
+        return policies
+    return load_policies(policies, extends=shipped)
