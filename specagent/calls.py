@@ -12,6 +12,7 @@ from the finished output.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ __all__ = [
     "CallChunk",
     "CallSpec",
     "constraint_for",
+    "format_instruction",
     "run_call",
     "tool_choice_name",
 ]
@@ -94,6 +96,7 @@ class CallSpec:
         seed: int | None = None,
         timeout: float | None = None,
         answer_guard: bool = True,
+        describe_format: bool = True,
     ) -> CallSpec:
         """Validate and translate. The policy: ``policy`` if named; else ``default_policy``
         unless the call's ``tags`` route to a policy (``backend.policies.route``); else the
@@ -101,7 +104,12 @@ class CallSpec:
 
         ``answer_guard``: a call that offers no tools and answers a tool result (the last
         message has role ``tool``) gets ``ANSWER_AFTER_TOOLS`` as its grammar, unless it has a
-        response format."""
+        response format.
+
+        ``describe_format``: a ``json_schema`` or ``json_object`` response format is also told
+        to the model (``format_instruction``, in the system message): the grammar makes the
+        output valid, the instruction makes it the answer (a small model constrained to a
+        schema it was never shown fills its first string with anything)."""
         if policy is None and default_policy is not None:
             routed = backend.policies.route(tags) if tags and backend is not None else None
             policy = routed.name if routed is not None and routed.match.tags else default_policy
@@ -121,6 +129,8 @@ class CallSpec:
         constraint = constraint_for(offered, choice, response_format)
         if constraint is None and not offered and answer_guard and _answers_tool_result(messages):
             constraint = ANSWER_AFTER_TOOLS
+        if describe_format and response_format is not None:
+            messages = _with_instruction(messages, format_instruction(response_format))
         return cls(
             messages=list(messages),
             policy=policy,
@@ -189,6 +199,37 @@ def constraint_for(
         return Constraint.tool_call(tools)
     chosen = [t for t in tools if t["function"]["name"] == tool_choice]
     return Constraint.tool_call(chosen)
+
+
+def format_instruction(response_format: Mapping[str, Any]) -> str | None:
+    """What the model is told a response format wants (None for plain text)."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return "Reply with one JSON object and nothing else."
+    if kind != "json_schema":
+        return None
+    spec = response_format.get("json_schema") or {}
+    schema = spec.get("schema", spec) if isinstance(spec, Mapping) else spec
+    return (
+        "Reply with one JSON object and nothing else. It must match this JSON schema; fill "
+        "each field with the answer taken from the conversation:\n"
+        + json.dumps(schema, ensure_ascii=False)
+    )
+
+
+def _with_instruction(
+    messages: Sequence[Mapping[str, Any]], instruction: str | None
+) -> list[dict[str, Any]]:
+    """``messages`` with ``instruction`` appended to the system message (one is added first
+    when there is none)."""
+    out = [dict(m) for m in messages]
+    if not instruction:
+        return out
+    if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+        out[0]["content"] = f"{out[0]['content']}\n\n{instruction}".strip()
+    else:
+        out.insert(0, {"role": "system", "content": instruction})
+    return out
 
 
 def _answers_tool_result(messages: Sequence[Mapping[str, Any]]) -> bool:
