@@ -185,10 +185,10 @@ def constraint_for(
     if response_format is not None:
         kind = response_format.get("type")
         if kind == "json_object":
-            return Constraint.json_object()
+            return Constraint.json_object(compact=False)
         if kind == "json_schema":
             spec = response_format.get("json_schema") or {}
-            return Constraint.json_schema(spec.get("schema", spec), strict=True)
+            return Constraint.json_schema(spec.get("schema", spec), strict=True, compact=False)
         if kind == "text":
             return None
         msg = f"response_format type must be text, json_object or json_schema, got {kind!r}"

@@ -32,18 +32,25 @@ class Constraint:
 
     kind: str
     spec: str
+    compact: bool = True
+    """JSON as ``json.dumps`` writes it (no line breaks): what tool calls look like, and the
+    most tokens the grammar can force. False: the line breaks and indentation a model writes
+    JSON answers with (bounded, so it cannot wander off into blanks)."""
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any], strict: bool = False) -> Constraint:
+    def json_schema(
+        cls, schema: Mapping[str, Any], strict: bool = False, compact: bool = True
+    ) -> Constraint:
         """Output is one JSON value valid for ``schema``. ``strict``: objects that do not say
         otherwise get ``additionalProperties: false`` (no invented keys), as in strict
         function calling."""
-        return cls("json_schema", json.dumps(_strict(dict(schema)) if strict else dict(schema)))
+        spec = json.dumps(_strict(dict(schema)) if strict else dict(schema))
+        return cls("json_schema", spec, compact)
 
     @classmethod
-    def json_object(cls) -> Constraint:
+    def json_object(cls, compact: bool = True) -> Constraint:
         """Output is one JSON object (any keys)."""
-        return cls("json_schema", json.dumps({"type": "object"}))
+        return cls("json_schema", json.dumps({"type": "object"}), compact)
 
     @classmethod
     def lark(cls, grammar: str) -> Constraint:
@@ -124,9 +131,13 @@ class GrammarState:
         return bool(self._matcher.is_stopped())
 
 
-# JSON as ``json.dumps`` writes it (and as models are trained to): no free whitespace, so a weak
-# model cannot wander off into endless blanks and every output is one compact JSON value.
+# Tool calls: JSON as ``json.dumps`` writes it (and as chat templates show calls): no free
+# whitespace, so the grammar forces every brace, key and separator.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Answers in a response format: models pretty-print JSON answers; held to one line, a small
+# model keeps its first string open rather than write the ``",\n`` it wants (measured on
+# Qwen2.5-Coder-0.5B). Up to 20 blanks or line breaks per gap: never endless blanks.
+_JSON_ANSWER_STYLE = {"whitespace_pattern": r"[\n ]{0,20}"}
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
@@ -162,7 +173,8 @@ def compile_constraint(
             _TOKENIZERS[tokenizer] = lltok
     try:
         if constraint.kind == "json_schema":
-            grammar = llg.LLMatcher.grammar_from_json_schema(constraint.spec, defaults=_JSON_STYLE)
+            style = _JSON_STYLE if constraint.compact else _JSON_ANSWER_STYLE
+            grammar = llg.LLMatcher.grammar_from_json_schema(constraint.spec, defaults=style)
         elif constraint.kind == "lark":
             grammar = llg.LLMatcher.grammar_from_lark(constraint.spec)
         elif constraint.kind == "regex":

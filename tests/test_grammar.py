@@ -212,3 +212,45 @@ def test_lossless_with_grammar_matches_the_constrained_target(target, draft, tok
         if exp[-1] == 0:
             obs, exp = obs[:-1], exp[:-1]
         assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3, t
+
+
+def test_answers_may_be_pretty_printed_tool_calls_stay_compact(tokenizer) -> None:
+    """A response format lets the model write JSON with line breaks (bounded); a tool call is
+    compact JSON, so the grammar forces its braces and separators."""
+    vocab = len(tokenizer)
+    eos = [tokenizer.eos_token_id]
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+    pretty = '{\n  "a": "x"\n}'
+    answer = compile_constraint(
+        Constraint.json_schema(schema, strict=True, compact=False), tokenizer, vocab, eos
+    )
+    answer.consume(tokenizer.encode(pretty))
+    compact = compile_constraint(Constraint.json_schema(schema, strict=True), tokenizer, vocab, eos)
+    with pytest.raises(RuntimeError, match="rejected"):
+        compact.consume(tokenizer.encode(pretty))
+    endless = compile_constraint(Constraint.json_object(compact=False), tokenizer, vocab, eos)
+    with pytest.raises(RuntimeError, match="rejected"):
+        endless.consume(tokenizer.encode("{" + " " * 40))  # blanks are bounded per gap
+
+
+def test_response_formats_are_told_to_the_model() -> None:
+    from specagent.calls import CallSpec
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}
+    with_system = CallSpec.build(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"}],
+        response_format=fmt,
+    )
+    assert with_system.messages[0]["content"].startswith("Be brief.\n\nReply with one JSON")
+    assert json.dumps(schema) in with_system.messages[0]["content"]
+    added = CallSpec.build([{"role": "user", "content": "Oslo?"}], response_format=fmt)
+    assert [m["role"] for m in added.messages] == ["system", "user"]
+    json_mode = CallSpec.build(
+        [{"role": "user", "content": "Oslo?"}], response_format={"type": "json_object"}
+    )
+    assert json_mode.messages[0]["content"] == "Reply with one JSON object and nothing else."
+    silent = CallSpec.build(
+        [{"role": "user", "content": "Oslo?"}], response_format=fmt, describe_format=False
+    )
+    assert silent.messages == [{"role": "user", "content": "Oslo?"}]

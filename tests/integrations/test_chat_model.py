@@ -8,6 +8,7 @@ from typing import Literal
 
 import jsonschema
 import pytest
+from conftest import make_model, perturbed_copy
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
@@ -57,10 +58,13 @@ def add(a: int, b: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def runtime(target, draft, tokenizer):
+def runtime(tokenizer):
+    # The session's tiny target with a 2k context: response formats add their schema to the
+    # prompt, which the byte-level test tokenizer spells out in many tokens.
+    target = make_model(len(tokenizer), layers=4, seed=0, init=0.1, max_positions=2048)
     rt = SpecRuntime(
         target=target,
-        draft=draft,
+        draft=perturbed_copy(target, scale=0.05, seed=1),
         tokenizer=tokenizer,
         policies=POLICIES,
         device="cpu",

@@ -58,9 +58,9 @@ def test_bind_tools_and_a_tool_loop(live: Live) -> None:
 @pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
 def test_with_structured_output(live: Live, method: str) -> None:
     model = chat(live, temperature=0, max_tokens=400)  # greedy: the same output every run
-    if method == "json_mode":
-        schema = {"type": "object"}
-        parsed = model.with_structured_output(schema, method=method).invoke("Forecast for Oslo")
+    if method == "json_mode":  # any object: a random model may write a long one
+        free = chat(live, temperature=0, max_tokens=3000)
+        parsed = free.with_structured_output(None, method=method).invoke("Forecast for Oslo")
         assert isinstance(parsed, dict)
         return
     forecast = model.with_structured_output(Forecast, method=method).invoke("Forecast for Oslo")
