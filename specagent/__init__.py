@@ -20,7 +20,6 @@ from .errors import (
     SpecAgentError,
 )
 from .policy import (
-    SHIPPED_POLICIES,
     Policy,
     PolicySet,
     load_policies,
@@ -31,7 +30,6 @@ from .results import GenerationResult, SpecStats, StreamChunk, Usage
 from .runtime import SpecRuntime
 
 __all__ = [
-    "SHIPPED_POLICIES",
     "Backend",
     "ContextLengthError",
     "EvaluationError",

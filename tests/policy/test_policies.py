@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from specagent import (
-    SHIPPED_POLICIES,
     Policy,
     PolicyError,
     PolicyNotFoundError,
@@ -16,8 +15,9 @@ from specagent import (
     load_policy,
     shipped_policies,
 )
+from specagent.policy import SHIPPED_POLICIES
 
-SHIPPED = SHIPPED_POLICIES
+SHIPPED = SHIPPED_POLICIES  # the package directory
 
 VALID = """\
 name: {name}
