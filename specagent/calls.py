@@ -211,7 +211,7 @@ def format_instruction(response_format: Mapping[str, Any]) -> str | None:
     spec = response_format.get("json_schema") or {}
     schema = spec.get("schema", spec) if isinstance(spec, Mapping) else spec
     return (
-        "Reply with one JSON object and nothing else. It must match this JSON schema; fill "
+        "Reply with one JSON value and nothing else. It must match this JSON schema; fill "
         "each field with the answer taken from the conversation:\n"
         + json.dumps(schema, ensure_ascii=False)
     )
@@ -244,7 +244,8 @@ class CallChunk:
     text: str = ""
     result: GenerationResult | None = None
     content: str = ""
-    """On the last chunk: the whole output without its tool calls."""
+    """On the last chunk: the output not yet sent as text chunks (held back, or the last piece),
+    without its tool calls; the whole content is the text chunks followed by this."""
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
     """On the last chunk: "tool_calls" when the output called tools, else the result's."""
