@@ -102,9 +102,11 @@ def draft(target: LlamaForCausalLM) -> LlamaForCausalLM:
     return perturbed_copy(target, scale=0.05, seed=1)
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every async test runs on both of anyio's backends: the runtime promises asyncio or
+    trio callers alike (its worker wakes either loop)."""
+    return str(request.param)
 
 
 SMALL_VOCAB = 12

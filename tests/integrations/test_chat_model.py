@@ -20,6 +20,14 @@ from langchain_specagent._translate import to_chat_message
 from specagent import Policy, PolicyNotFoundError, SpecRuntime
 from specagent.calls import ANSWER_AFTER_TOOLS, CallSpec
 
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """LangChain's async API is asyncio's (``ainvoke``/``abatch`` gather asyncio futures): its
+    tests run on asyncio only; the runtime's own tests cover trio."""
+    return "asyncio"
+
+
 POLICIES = [
     Policy(
         name="exact",

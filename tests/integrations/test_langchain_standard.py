@@ -18,6 +18,14 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 from langchain_specagent import ChatSpecAgent
 from specagent import Policy, SpecRuntime
 
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """LangChain's async API is asyncio's (``ainvoke``/``abatch`` gather asyncio futures): its
+    tests run on asyncio only; the runtime's own tests cover trio."""
+    return "asyncio"
+
+
 REAL_MODEL = os.environ.get("SPECAGENT_TEST_MODEL")
 NEEDS_REAL_MODEL = "needs a capable instruct model: set SPECAGENT_TEST_MODEL to its local path"
 
