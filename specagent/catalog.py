@@ -23,13 +23,14 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import ModelLoadError
 
-__all__ = ["CATALOG", "CatalogModel", "cache_dir", "resolve_model"]
+__all__ = ["CATALOG", "CatalogModel", "cache_dir", "load_every_tensor", "resolve_model"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,28 @@ def _verify(model: CatalogModel, path: Path) -> None:
         raise ModelLoadError(msg)
 
 
+def load_every_tensor(model: Any, state: Mapping[str, Any], source: str) -> None:
+    """Load ``state`` into ``model`` and tie its weights; raise ``ModelLoadError`` unless every
+    parameter came from ``state`` (directly, or tied to one that did) and every tensor of
+    ``state`` found its place: a conversion never saves freshly initialised weights."""
+    result = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[name].data_ptr() for name in state if name in params}
+    missing = [
+        name
+        for name in result.missing_keys
+        if name in params and params[name].data_ptr() not in loaded
+    ]
+    if missing or result.unexpected_keys:
+        msg = (
+            f"{source}: the conversion did not load every weight (missing: {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; unexpected: {list(result.unexpected_keys)[:5]})"
+            "; refusing to save a partly random model"
+        )
+        raise ModelLoadError(msg)
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """Dequantize once and save a plain checkpoint (fp32 weights, tokenizer, chat template)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -185,7 +208,6 @@ def _convert(gguf: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(loaded.state_dict(), strict=False)
-    model.tie_weights()
+    load_every_tensor(model, loaded.state_dict(), source=str(gguf))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -9,6 +9,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import make_model
 
 from specagent import ModelLoadError, SpecRuntime
 from specagent.bench import bench_policies, run_bench, save
@@ -212,3 +214,39 @@ def test_cli_run_loads_the_shipped_policies_and_prints_text_and_stats(
     assert json.loads(out.err[out.err.index("{") :])["mode"] == "relaxed"
     assert main([*argv[:-1], "no-such-policy"]) == 2
     assert "customer-reply" in capsys.readouterr().err  # the known names are listed
+
+
+def test_conversion_refuses_a_model_with_weights_left_random(tokenizer) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specagent.catalog import load_every_tensor
+
+    source = make_model(len(tokenizer), seed=5)
+    state = source.state_dict()
+    fresh = make_model(len(tokenizer), seed=6)
+    load_every_tensor(fresh, state, source="whole")  # everything loads
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    partial = {k: v for k, v in state.items() if "layers.1.mlp" not in k}
+    with pytest.raises(ModelLoadError, match=r"missing: \['model.layers.1.mlp"):
+        load_every_tensor(make_model(len(tokenizer), seed=6), partial, source="partial")
+    with pytest.raises(ModelLoadError, match=r"unexpected: \['extra.weight'"):
+        load_every_tensor(
+            make_model(len(tokenizer), seed=6),
+            {**state, "extra.weight": state["lm_head.weight"]},
+            source="extra",
+        )
+    # a tied head is not missing: it is the embedding, which was loaded
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    tied_state = {
+        k: v for k, v in LlamaForCausalLM(config).state_dict().items() if "lm_head" not in k
+    }
+    load_every_tensor(LlamaForCausalLM(config), tied_state, source="tied")
