@@ -329,14 +329,10 @@ def _call_spec(
 
 def _resolved_policy(backend: Backend, call: CallSpec) -> str:
     """The policy the backend will run the call under (unknown names: 404)."""
-    policies = backend.policies
-    if call.policy is not None:
-        try:
-            return policies[call.policy].name
-        except PolicyNotFoundError as exc:
-            raise _as_api_error(exc) from None
-    routed = policies.route(list(call.tags)) if call.tags else None
-    return routed.name if routed is not None else policies.default.name
+    try:
+        return backend.policies.resolve(call.policy, call.tags).name
+    except PolicyNotFoundError as exc:
+        raise _as_api_error(exc) from None
 
 
 def _as_api_error(exc: Exception) -> ApiError:

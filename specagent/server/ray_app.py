@@ -149,11 +149,8 @@ class RemoteBackend:
         return self._group_of.get(policy, DEFAULT_GROUP)
 
     async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
-        name = kwargs.get("policy")
-        if name is None:
-            routed = self.policies.route(list(kwargs.get("tags") or ()))
-            name = routed.name if routed is not None else self.policies.default.name
-        policy = self.policies[name].name  # PolicyNotFoundError for an unknown name
+        # PolicyNotFoundError for an unknown name, as the runtime would raise it
+        policy = self.policies.resolve(kwargs.get("policy"), kwargs.get("tags") or ()).name
         handle = self._handles[self.group_of(policy)]
         response = handle.options(stream=True).stream.remote(prompt, **{**kwargs, "policy": policy})
         finished = False
