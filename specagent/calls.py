@@ -25,6 +25,7 @@ from .errors import (
     GenerationError,
     IncompleteOutputError,
     InvalidRequestError,
+    ModelNotFoundError,
     RuntimeOverloadedError,
 )
 from .grammar import Constraint
@@ -37,6 +38,7 @@ __all__ = [
     "constraint_for",
     "format_instruction",
     "run_call",
+    "split_model",
     "tool_choice_name",
 ]
 
@@ -154,6 +156,16 @@ class CallSpec:
             "constraint": self.constraint,
             **self.options,
         }
+
+
+def split_model(requested: str, served: str) -> str | None:
+    """The policy a model name asks for: ``served`` asks for none (the front door's default),
+    ``served:<policy>`` for that policy, as OpenAI-compatible servers name variants of one model.
+    Any other model is ``ModelNotFoundError``: a call is never run on a model it did not name."""
+    name, sep, policy = requested.partition(":")
+    if name != served or (sep and not policy):
+        raise ModelNotFoundError(requested, served)
+    return policy or None
 
 
 def tool_choice_name(tool_choice: Any, names: Sequence[str]) -> str | None:

@@ -30,6 +30,7 @@ __all__ = [
     "IncompleteOutputError",
     "InvalidRequestError",
     "ModelLoadError",
+    "ModelNotFoundError",
     "PolicyError",
     "PolicyNotFoundError",
     "RuntimeClosedError",
@@ -66,6 +67,19 @@ class IncompatibleDraftError(ModelLoadError, ValueError):
 
 class InvalidRequestError(SpecAgentError, ValueError):
     """The call's input is wrong; nothing was run."""
+
+
+class ModelNotFoundError(InvalidRequestError, LookupError):
+    """A call named a model the backend does not serve (``<model>`` or ``<model>:<policy>``)."""
+
+    def __init__(self, name: str, served: str) -> None:
+        self.name = name
+        self.served = served
+        msg = (
+            f"model {name!r} is not served here; this one is {served!r} "
+            f"(or {served + ':<policy>'!r} to name a policy)"
+        )
+        super().__init__(msg)
 
 
 class ContextLengthError(InvalidRequestError):

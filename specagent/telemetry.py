@@ -9,11 +9,19 @@ the tracer and meter are no-ops and this module skips building attributes (``is_
 Spans are started in the caller's task, so they nest under the caller's current span (an agent's
 or a LangChain run's); the sync front door passes the caller's context along explicitly.
 Prompt and output text are recorded only when the call's policy says ``record_content: true``.
+
+The GenAI conventions are still in development and renamed their inference signals
+(``gen_ai.client.inference.*`` metrics, time to first chunk). As the conventions prescribe for
+instrumentations that already emit an older version, the older names stay the default, and
+``OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental`` adds the latest ones alongside them
+(``Telemetry(latest_conventions=...)`` overrides the variable).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +34,19 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from ._version import __version__
 from .results import GenerationResult
 
-__all__ = ["CallSpan", "Telemetry"]
+__all__ = ["CallSpan", "Telemetry", "latest_conventions_opted_in"]
 
 PROVIDER = "specagent"
+OPT_IN_VARIABLE = "OTEL_SEMCONV_STABILITY_OPT_IN"
+LATEST_GEN_AI = "gen_ai_latest_experimental"
+
+
+def latest_conventions_opted_in() -> bool:
+    """Whether ``OTEL_SEMCONV_STABILITY_OPT_IN`` (a comma-separated list) asks for the latest
+    experimental GenAI conventions."""
+    values = os.environ.get(OPT_IN_VARIABLE, "")
+    return LATEST_GEN_AI in {value.strip() for value in values.split(",")}
+
 
 # Bucket advice from the GenAI metrics conventions.
 _DURATION_BUCKETS = [
@@ -81,6 +99,7 @@ _TTFT_BUCKETS = [
     7.5,
     10.0,
 ]
+_CHUNK_BUCKETS = _DURATION_BUCKETS
 _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 _RATE_BUCKETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 _LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
@@ -95,6 +114,10 @@ class CallSpan:
     started: float
     attributes: dict[str, Any]
     record_content: bool
+    streaming: bool = False
+    first_chunk_s: float | None = None
+    """Seconds from the call's start to its first text chunk (streaming calls)."""
+    last_chunk: float | None = None
     ended: bool = field(default=False)
 
 
@@ -107,8 +130,12 @@ class Telemetry:
         model_name: str,
         tracer_provider: trace.TracerProvider | None = None,
         meter_provider: metrics.MeterProvider | None = None,
+        latest_conventions: bool | None = None,
     ) -> None:
         self.model_name = model_name
+        self.latest = (
+            latest_conventions_opted_in() if latest_conventions is None else latest_conventions
+        )
         self.tracer_provider, self.meter_provider = tracer_provider, meter_provider
         self.tracer = trace.get_tracer("specagent", __version__, tracer_provider=tracer_provider)
         meter = metrics.get_meter("specagent", __version__, meter_provider=meter_provider)
@@ -154,6 +181,51 @@ class Telemetry:
             description="Mean TV distance from the target distribution per token (relaxed calls)",
             explicit_bucket_boundaries_advisory=_DIVERGENCE_BUCKETS,
         )
+        if self.latest:
+            self._latest_instruments(meter)
+
+    def _latest_instruments(self, meter: metrics.Meter) -> None:
+        """The client inference metrics of the current GenAI conventions."""
+        self.inference_duration = meter.create_histogram(
+            "gen_ai.client.inference.duration",
+            unit="s",
+            description="GenAI inference operation duration",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self.time_to_first_chunk = meter.create_histogram(
+            "gen_ai.client.inference.time_to_first_chunk",
+            unit="s",
+            description="Time from the request to the first chunk of a streaming response",
+            explicit_bucket_boundaries_advisory=_CHUNK_BUCKETS,
+        )
+        self.time_per_output_chunk = meter.create_histogram(
+            "gen_ai.client.inference.time_per_output_chunk",
+            unit="s",
+            description="Time between consecutive chunks of a streaming response",
+            explicit_bucket_boundaries_advisory=_TPOT_BUCKETS,
+        )
+        self.usage_input = meter.create_counter(
+            "gen_ai.client.inference.usage.input_tokens",
+            unit="{token}",
+            description="Input tokens used",
+        )
+        self.usage_output = meter.create_counter(
+            "gen_ai.client.inference.usage.output_tokens",
+            unit="{token}",
+            description="Output tokens used",
+        )
+        self.operation_input = meter.create_histogram(
+            "gen_ai.client.inference.operation.input_tokens",
+            unit="{token}",
+            description="Input tokens per inference operation",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS,
+        )
+        self.operation_output = meter.create_histogram(
+            "gen_ai.client.inference.operation.output_tokens",
+            unit="{token}",
+            description="Output tokens per inference operation",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS,
+        )
 
     def start_call(
         self,
@@ -168,6 +240,7 @@ class Telemetry:
         record_content: bool,
         prompt: Any = None,
         parent: otel_context.Context | None = None,
+        streaming: bool = False,
     ) -> CallSpan:
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
@@ -192,9 +265,23 @@ class Telemetry:
                     "specagent.drafter": drafter,
                 }
             )
+            if self.latest:
+                span.set_attribute("gen_ai.request.stream", streaming)
             if record_content and prompt is not None:
                 span.set_attribute("gen_ai.input.messages", _input_messages(prompt))
-        return CallSpan(span, time.perf_counter(), attributes, record_content)
+        return CallSpan(span, time.perf_counter(), attributes, record_content, streaming)
+
+    def chunk(self, call: CallSpan) -> None:
+        """A text chunk reached the caller: the latest conventions' chunk timings."""
+        if not (self.latest and call.streaming) or call.ended:
+            return
+        now = time.perf_counter()
+        if call.last_chunk is None:
+            call.first_chunk_s = now - call.started
+            self.time_to_first_chunk.record(call.first_chunk_s, call.attributes)
+        else:
+            self.time_per_output_chunk.record(now - call.last_chunk, call.attributes)
+        call.last_chunk = now
 
     def end_call(self, call: CallSpan, result: GenerationResult) -> None:
         if call.ended:
@@ -226,6 +313,8 @@ class Telemetry:
             if stats.divergence is not None:
                 attrs["specagent.divergence"] = stats.divergence
                 attrs["specagent.fell_back_to_lossless"] = stats.fell_back_to_lossless
+            if self.latest and call.first_chunk_s is not None:
+                attrs["gen_ai.response.time_to_first_chunk"] = call.first_chunk_s
             if call.record_content:
                 attrs["gen_ai.output.messages"] = json.dumps(
                     [
@@ -250,7 +339,10 @@ class Telemetry:
             call.span.set_status(Status(StatusCode.ERROR, str(exc) or error_type))
         call.span.end()
         attributes = {**call.attributes, "error.type": error_type}
-        self.duration.record(time.perf_counter() - call.started, attributes)
+        elapsed = time.perf_counter() - call.started
+        self.duration.record(elapsed, attributes)
+        if self.latest:
+            self.inference_duration.record(elapsed, attributes)
 
     def _record_metrics(self, call: CallSpan, result: GenerationResult) -> None:
         stats, usage, attrs = result.stats, result.usage, call.attributes
@@ -266,6 +358,14 @@ class Telemetry:
             self.acceptance_length.record(stats.mean_acceptance_length, attrs)
         if stats.divergence is not None:
             self.divergence.record(stats.divergence, attrs)
+        if self.latest:
+            response = {**attrs, "gen_ai.response.model": self.model_name}
+            tokens = {**response, "gen_ai.token.modality": "text"}
+            self.inference_duration.record(stats.latency_s, response)
+            self.usage_input.add(usage.input_tokens, tokens)
+            self.usage_output.add(usage.output_tokens, tokens)
+            self.operation_input.record(usage.input_tokens, response)
+            self.operation_output.record(usage.output_tokens, response)
 
 
 def _per_position_rates(accepted: Sequence[int], num_drafts: int) -> list[float]:
@@ -273,14 +373,45 @@ def _per_position_rates(accepted: Sequence[int], num_drafts: int) -> list[float]
 
 
 def _input_messages(prompt: Any) -> str:
-    """The prompt as the conventions' ``gen_ai.input.messages`` JSON."""
+    """The prompt as the conventions' ``gen_ai.input.messages`` JSON: one message per chat
+    message, its text as ``text`` parts, an assistant's tool calls as ``tool_call`` parts, a
+    tool message as a ``tool_call_response`` part; a raw string prompt is one user message, a
+    token-id prompt one user message with a ``token_ids`` part (a custom part type)."""
     if isinstance(prompt, str):
-        messages = [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]
+        messages = [{"role": "user", "parts": [_text_part(prompt)]}]
     elif prompt and isinstance(prompt[0], Mapping):
-        messages = [
-            {"role": m.get("role"), "parts": [{"type": "text", "content": m.get("content")}]}
-            for m in prompt
-        ]
+        messages = [_chat_message(m) for m in prompt]
     else:
         messages = [{"role": "user", "parts": [{"type": "token_ids", "content": list(prompt)}]}]
     return json.dumps(messages, default=str)
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "content": text}
+
+
+def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    role = str(message.get("role") or "user")
+    content = message.get("content")
+    texts: list[str] = []
+    if isinstance(content, str):
+        texts = [content] if content else []
+    elif isinstance(content, Sequence):  # OpenAI content blocks
+        texts = [str(b.get("text", "")) for b in content if isinstance(b, Mapping)]
+    if role == "tool":
+        response = "".join(texts)
+        part = {"type": "tool_call_response", "id": message.get("tool_call_id")}
+        return {"role": role, "parts": [{**part, "response": response}]}
+    parts: list[dict[str, Any]] = [_text_part(t) for t in texts]
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(ValueError):  # else recorded as the model wrote it
+                arguments = json.loads(arguments)
+        part = {"type": "tool_call", "id": call.get("id"), "name": function.get("name")}
+        parts.append({**part, "arguments": arguments})
+    result: dict[str, Any] = {"role": role, "parts": parts}
+    if message.get("name"):
+        result["name"] = str(message["name"])
+    return result

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import gc
 import random
+import weakref
 
 import anyio
 import pytest
 import torch
 
-from specagent import InvalidRequestError, Policy, PolicyNotFoundError, SpecRuntime
+from specagent import (
+    GenerationError,
+    InvalidRequestError,
+    Policy,
+    PolicyNotFoundError,
+    SpecRuntime,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -145,19 +152,122 @@ async def test_calls_join_and_leave_between_steps(runtime) -> None:
     assert len(sizes) < long_steps  # and it went on alone after they left
 
 
-async def test_cancelled_calls_free_their_slot_and_caches(runtime) -> None:
+def _spy_caches(rt: SpecRuntime) -> tuple[list[int], list[weakref.ref]]:
+    """Count every forward (single or batched, target and draft) and keep a weak reference to
+    every KV cache a forward used: a cache still alive after a call ended is a leak."""
+    forwards: list[int] = [0]
+    caches: list[weakref.ref] = []
+    seen: set[int] = set()
+
+    def note(cache) -> None:
+        forwards[0] += 1
+        if id(cache) not in seen:
+            seen.add(id(cache))
+            caches.append(weakref.ref(cache))
+
+    runners = [rt._engine.target_runner, rt._engine.draft_runner]
+    for runner in runners:
+        real_forward, real_batch = runner.forward, runner.forward_batch
+
+        def forward(input_ids, cache, keep=None, _real=real_forward):
+            note(cache)
+            return _real(input_ids, cache, keep)
+
+        def forward_batch(requests, keep=None, _real=real_batch):
+            for _, cache in requests:
+                note(cache)
+            return _real(requests, keep)
+
+        runner.forward, runner.forward_batch = forward, forward_batch  # type: ignore[method-assign]
+    return forwards, caches
+
+
+async def _until_idle(worker) -> None:
+    for _ in range(500):  # the worker drops cancelled calls before their next step
+        if not worker.active and not worker.inbox:
+            return
+        await anyio.sleep(0.01)
+
+
+async def test_cancelled_calls_are_cut_short_and_free_their_slot_and_caches(runtime) -> None:
+    """Six 400-token calls cancelled after 0.1 s: each stops within a step (far fewer forwards
+    than 400 tokens need, none after the cancellation settles), leaves no slot or queue entry,
+    and every KV cache it used is freed (no reference survives)."""
     worker = runtime._ensure_worker()
-    with anyio.move_on_after(0.1):
+    # The step-cost measurement runs forwards of its own between rounds: let it finish first.
+    await anyio.to_thread.run_sync(worker.idle.wait, 120)
+    forwards, caches = _spy_caches(runtime)
+    with anyio.move_on_after(0.1) as scope:
         await _all_at_once(
             runtime,
             [{"prompt": "x y z", "policy": "exact", "max_new_tokens": 400} for _ in range(6)],
         )
-    for _ in range(500):  # the worker drops cancelled calls still queued when it reaches them
-        if not worker.active and not worker.inbox:
-            break
-        await anyio.sleep(0.01)
+    assert scope.cancelled_caught  # cut short, not finished
+    await _until_idle(worker)
     assert worker.active == []
     assert not worker.inbox
+    settled = forwards[0]
+    await anyio.sleep(0.2)
+    assert forwards[0] == settled  # no step ran after the calls were dropped
+    # 400 tokens at <= 5 per step need >= 80 target forwards per call; 6 calls got far fewer.
+    assert settled < 6 * 80 / 4
+    gc.collect()
+    assert caches
+    assert [ref for ref in caches if ref() is not None] == []
+    result = await runtime.generate("still serving", policy="exact", max_new_tokens=5)
+    assert result.usage.output_tokens > 0
+
+
+async def test_an_error_in_a_batched_forward_is_retried_call_by_call(runtime) -> None:
+    """A batched verification that raises (one call's input breaks it, say) is retried one call
+    at a time: the culprit fails with a clear error, the others finish with the same tokens as
+    alone."""
+    calls = [
+        {"prompt": f"call {i} " * 3, "policy": "exact", "max_new_tokens": 12, "seed": i}
+        for i in range(4)
+    ]
+    alone = []
+    for call in calls:
+        call = dict(call)
+        alone.append((await runtime.generate(call.pop("prompt"), **call)).token_ids)
+    runner = runtime._engine.target_runner
+    real_forward, real_batch = runner.forward, runner.forward_batch
+    poisoned: list = []
+    batches: list[int] = []
+
+    def forward_batch(requests, keep=None):
+        batches.append(len(requests))
+        if len(batches) == 2:  # the second batched round breaks on its first call's cache
+            poisoned.append(requests[0][1])
+            raise RuntimeError("batched forward failed (simulated)")
+        return real_batch(requests, keep)
+
+    def forward(input_ids, cache, keep=None):
+        if any(cache is p for p in poisoned):
+            raise RuntimeError("this call's forward fails (simulated)")
+        return real_forward(input_ids, cache, keep)
+
+    runner.forward, runner.forward_batch = forward, forward_batch  # type: ignore[method-assign]
+    outcomes: list[object] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        call = dict(calls[i])
+        try:
+            outcomes[i] = (await runtime.generate(call.pop("prompt"), **call)).token_ids
+        except GenerationError as exc:
+            outcomes[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    assert max(batches) >= 2
+    failed = [i for i, o in enumerate(outcomes) if isinstance(o, GenerationError)]
+    assert len(failed) == 1
+    assert "this call's forward fails" in str(outcomes[failed[0]].__cause__ or outcomes[failed[0]])
+    for i, outcome in enumerate(outcomes):
+        if i not in failed:
+            assert outcome == alone[i]
+    assert runtime._ensure_worker().active == []
 
 
 @pytest.mark.slow

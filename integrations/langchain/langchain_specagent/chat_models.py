@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.exceptions import OutputParserException
-from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models import LanguageModelInput, ModelProfile
 from langchain_core.language_models.chat_models import (
     BaseChatModel,
     LangSmithParams,
@@ -37,7 +37,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from specagent import IncompleteOutputError, SpecRuntime, load_policies, shipped_policies
 from specagent.backend import Backend
-from specagent.calls import CallSpec, run_call, tool_choice_name
+from specagent.calls import CallSpec, run_call, split_model, tool_choice_name
 from specagent.runtime.portal import iterate_sync
 
 from ._translate import final_chunk, to_chat_message
@@ -169,6 +169,34 @@ class ChatSpecAgent(BaseChatModel):
             "max_tokens": self.max_tokens,
         }
 
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What this model can do, for LangChain's ``model.profile`` (agents read it to decide,
+        for example, whether to ask for structured output natively). Text in and out; tool
+        calling and tool choice and structured output by constrained decoding; the context
+        window from the runtime's target when one is given (an owned runtime is not loaded
+        just to answer this)."""
+        profile = ModelProfile(
+            open_weights=True,
+            text_inputs=True,
+            text_outputs=True,
+            image_inputs=False,
+            audio_inputs=False,
+            video_inputs=False,
+            pdf_inputs=False,
+            image_tool_message=False,
+            pdf_tool_message=False,
+            reasoning_output=False,
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=True,
+            structured_output=True,
+            temperature=True,
+        )
+        window = getattr(self.runtime, "context_window", None)
+        if isinstance(window, int):
+            profile["max_input_tokens"] = window
+        return profile
+
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="specagent",
@@ -213,8 +241,8 @@ class ChatSpecAgent(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        call = self._call_spec(messages, stop, run_manager, kwargs)
-        async for chunk in self._chunks(call):
+        call, model = self._call_spec(messages, stop, run_manager, kwargs)
+        async for chunk in self._chunks(call, model):
             if run_manager is not None and chunk.text:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -226,9 +254,9 @@ class ChatSpecAgent(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        call = self._call_spec(messages, stop, run_manager, kwargs)
+        call, model = self._call_spec(messages, stop, run_manager, kwargs)
         options = {"parent_context": otel_context.get_current()}
-        for chunk in iterate_sync(lambda: self._chunks(call, options)):
+        for chunk in iterate_sync(lambda: self._chunks(call, model, options)):
             if run_manager is not None and chunk.text:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -342,16 +370,24 @@ class ChatSpecAgent(BaseChatModel):
         stop: list[str] | None,
         run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
         kwargs: dict[str, Any],
-    ) -> CallSpec:
-        """Everything a call needs, translated from LangChain's arguments."""
+    ) -> tuple[CallSpec, str]:
+        """Everything a call needs, translated from LangChain's arguments, and the model name
+        its answer reports. A per-call ``model`` must be the runtime's model, or
+        ``<model>:<policy>`` (``specagent.calls.split_model``); an explicit policy (argument or
+        ``specagent_policy`` metadata) still comes first."""
         metadata = dict(getattr(run_manager, "metadata", None) or {})
         kwargs.pop("ls_structured_output_format", None)
-        kwargs.pop("model", None)
+        backend = self._runtime()
+        model = kwargs.pop("model", None)
+        model_policy = split_model(model, backend.model_name) if model else None
         stops = list(stop or []) + list(kwargs.pop("stop", None) or []) + list(self.stop or [])
         call = CallSpec.build(
             [to_chat_message(m) for m in messages],
-            backend=self._runtime(),
-            policy=kwargs.pop("policy", None) or metadata.get(POLICY_METADATA_KEY) or None,
+            backend=backend,
+            policy=kwargs.pop("policy", None)
+            or metadata.get(POLICY_METADATA_KEY)
+            or model_policy
+            or None,
             tags=list(getattr(run_manager, "tags", None) or []),
             tenant=kwargs.pop("tenant", None) or metadata.get(TENANT_METADATA_KEY) or self.tenant,
             default_policy=self.policy,
@@ -368,10 +404,10 @@ class ChatSpecAgent(BaseChatModel):
         )
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
-        return call
+        return call, model or self._model_name()
 
     async def _chunks(
-        self, call: CallSpec, options: dict[str, Any] | None = None
+        self, call: CallSpec, model: str, options: dict[str, Any] | None = None
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Run one call (``specagent.calls.run_call``) and translate its chunks."""
         if options:
@@ -381,7 +417,7 @@ class ChatSpecAgent(BaseChatModel):
                 if chunk.result is None:
                     yield ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
                 else:
-                    yield final_chunk(chunk, self._model_name())
+                    yield final_chunk(chunk, model)
         except IncompleteOutputError as exc:
             raise OutputParserException(str(exc), llm_output=exc.output) from exc
 
