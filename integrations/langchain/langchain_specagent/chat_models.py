@@ -138,7 +138,9 @@ class ChatSpecAgent(BaseChatModel):
     """Kept for compatibility with LangChain's ``streaming=True``; ``invoke`` always works."""
     guard_answers: bool = True
     """An answer to a tool result with no tools bound starts as prose, not as an echo of the
-    call or its JSON (``specagent.calls.ANSWER_AFTER_TOOLS``): small models need it."""
+    call or its JSON (``specagent.calls.ANSWER_AFTER_TOOLS``); with tools bound, a reply that
+    only repeats a call already made and answered becomes an answer from its result
+    (``CallSpec.repeat_guard``): small models need both, or an agent loop never ends."""
 
     _owned_runtime: SpecRuntime | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
@@ -401,6 +403,7 @@ class ChatSpecAgent(BaseChatModel):
             seed=kwargs.pop("seed", self.seed),
             timeout=kwargs.pop("timeout", self.timeout),
             answer_guard=self.guard_answers,
+            repeat_guard=self.guard_answers,
         )
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
