@@ -32,6 +32,9 @@ async def handle(runtime: SpecRuntime, i: int) -> None:
     except RuntimeOverloadedError:
         print(f"call {i}: refused, runtime overloaded (retry later)")
         return
+    except TimeoutError:
+        print(f"call {i}: timed out after 60 s (its work stopped at the next step)")
+        return
     s = result.stats
     print(
         f"call {i}: {s.tokens_per_s:5.1f} tok/s, ttft {s.ttft_s:.2f}s, "

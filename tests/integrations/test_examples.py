@@ -1,0 +1,62 @@
+"""Every example runs, as a user runs it, on the real small model of ``capable.py`` (the
+catalog's Qwen2.5-Coder-0.5B-Instruct by default), and shows what it is for."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from capable import CAPABLE_MODEL, NO_CAPABLE_MODEL, capable_runtime
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
+
+
+def run_example(name: str, *args: str) -> str:
+    capable_runtime()  # fetched and converted once, before the example loads it from the cache
+    command = [sys.executable, str(ROOT / "examples" / name), "--target", CAPABLE_MODEL, *args]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, env=dict(os.environ), cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_langchain_agent_example() -> None:
+    out = run_example("langchain_agent.py")
+    assert "calls [('order_status', {'order_id': 'A-10234'})]" in out
+    answer = [line for line in out.splitlines() if line.startswith("   ai: ")][-1]
+    assert "Thursday" in answer or "depot" in answer
+    assert "filed: Ticket(order_id='A-10234'" in out
+
+
+def test_support_agent_example() -> None:
+    out = run_example("support_agent.py")
+    assert "tool lookup_order({'order_id': 'A-10234'})" in out
+    assert "customer answer (lossless)" in out
+    assert "internal summary (relaxed" in out
+
+
+def test_async_service_example() -> None:
+    out = run_example("async_service.py", "--calls", "4")
+    assert "a cancelled call freed its slot" in out
+    assert "4 concurrent calls in" in out
+    assert len(re.findall(r"^call \d: ", out, flags=re.M)) == 4  # answered, refused or timed out
+    assert re.search(r"^call \d: .* tok/s", out, flags=re.M)
+
+
+def test_tracing_example_traces_calls_that_produced_text() -> None:
+    out = run_example("tracing.py")
+    spans = [json.loads(s) for s in re.findall(r"^\{\n.*?^\}$", out, flags=re.S | re.M)]
+    calls = [s for s in spans if s["name"].startswith("chat ")]
+    assert len(calls) == 2
+    assert all(s["attributes"]["gen_ai.usage.output_tokens"] > 0 for s in calls)
+    parent = next(s for s in spans if s["name"] == "handle ticket")
+    assert all(s["parent_id"] == parent["context"]["span_id"] for s in calls)
+    assert {s["attributes"]["specagent.mode"] for s in calls} == {"lossless", "relaxed"}
