@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from specagent.chat import parse_tool_calls
 
 # Qwen2.5-Instruct (Hermes format), as its chat template instructs it to answer.
@@ -52,3 +54,18 @@ def test_plain_json_answers_are_not_mistaken_for_calls() -> None:
     assert parse_tool_calls(answer, ["add"]).tool_calls == []
     assert parse_tool_calls("The answer is 5.").content == "The answer is 5."
     assert parse_tool_calls("<tool_call>\nnot json\n</tool_call>").tool_calls == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # the chat template's literal double braces, as Qwen2.5-Coder-0.5B once wrote a call
+        '<tool_call>\n{{"name": "order_status", "arguments": {"order_id": "A-1"}}}\n</tool_call>',
+        '<tool_call>{"name": "order_status", "arguments": {"order_id": </tool_call>',
+        '[TOOL_CALLS] [{"name": 3}]',
+    ],
+)
+def test_a_malformed_call_is_returned_as_text_never_dropped(text: str) -> None:
+    parsed = parse_tool_calls(text, ["order_status"])
+    assert parsed.tool_calls == []
+    assert parsed.content == text

@@ -83,7 +83,7 @@ def reference_samples(
         ids = torch.tensor([list(prompt)] * b)
         ended = torch.zeros(b, dtype=torch.bool)
         for t in range(steps):
-            p = reference_probs(model(input_ids=ids).logits[:, -1], params)
+            p = reference_probs(model(input_ids=ids, logits_to_keep=1).logits[:, -1], params)
             token = torch.multinomial(p, 1, generator=generator)[:, 0]
             out[start : start + b, t] = torch.where(ended, END, token).numpy()
             ended |= torch.isin(token, eos_ids)
@@ -234,10 +234,12 @@ def test_shipped_customer_reply_is_lossless(small_target, close_draft, small_dra
     assert min(found) > PASS, found
 
 
-def test_shipped_customer_reply_check_catches_a_wrong_residual(
+def test_shipped_customer_reply_check_catches_an_off_by_one_acceptance(
     small_target, small_draft, monkeypatch
 ) -> None:
-    monkeypatch.setattr(acceptance, "residual_distribution", _residual_is_p)
+    """At temperature 0.3 the target's nucleus is a token or two, so a wrong residual barely
+    changes anything; accepting the first rejected draft token does."""
+    monkeypatch.setattr(acceptance, "_first_rejection", _first_rejection_one_late)
     samples, reference, _ = _customer_reply(small_target, small_draft)
     assert min(pvalues(samples, reference)) < CAUGHT
 
