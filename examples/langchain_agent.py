@@ -44,7 +44,8 @@ def main() -> None:
     runtime = SpecRuntime.from_pretrained(
         args.target, draft=args.draft, policies=shipped_policies()
     )
-    model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=80)
+    # Greedy per call (the policy samples at 0.3): the same run every time, token for token.
+    model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=80, temperature=0.0)
 
     agent = create_agent(
         model,

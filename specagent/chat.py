@@ -152,6 +152,16 @@ def parse_tool_calls(text: str, tool_names: Sequence[str] | None = None) -> Pars
         calls = _calls_from_json(body, tool_names=tool_names, start=0)
         if calls:
             return ParsedOutput(content="", tool_calls=calls)
+        # A call written first, then prose (small models narrate after the JSON): the call,
+        # with the prose as content. Only for calls naming a known tool, as above.
+        try:
+            _, end = json.JSONDecoder().raw_decode(body)
+        except json.JSONDecodeError:
+            end = 0
+        if end and tool_names:
+            calls = _calls_from_json(body[:end], tool_names=tool_names, start=0)
+            if calls:
+                return ParsedOutput(content=body[end:].strip(), tool_calls=calls)
     return ParsedOutput(content=text)
 
 

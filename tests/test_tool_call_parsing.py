@@ -69,3 +69,15 @@ def test_a_malformed_call_is_returned_as_text_never_dropped(text: str) -> None:
     parsed = parse_tool_calls(text, ["order_status"])
     assert parsed.tool_calls == []
     assert parsed.content == text
+
+
+def test_a_call_followed_by_prose_is_a_call_with_that_prose() -> None:
+    text = '{"name": "order_status", "arguments": {"order_id": "A-1"}}\n\nIt arrives Thursday.'
+    parsed = parse_tool_calls(text, ["order_status"])
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == [
+        ("order_status", {"order_id": "A-1"})
+    ]
+    assert parsed.content == "It arrives Thursday."
+    # Ordinary JSON followed by prose, or a call to a tool that is not offered, stays text.
+    for other in ('{"a": 1} and more', '{"name": "rm_rf", "arguments": {}} done'):
+        assert parse_tool_calls(other, ["order_status"]).content == other
