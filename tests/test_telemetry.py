@@ -45,8 +45,8 @@ def otel():
     return exporter, tracer_provider, reader, meter_provider
 
 
-@pytest.fixture
-def runtime(otel, target, draft, tokenizer):
+def traced_runtime(otel, target, draft, tokenizer):
+    """A runtime reporting to the test's providers; closed when the fixture ends."""
     _, tracer_provider, _, meter_provider = otel
     rt = SpecRuntime(
         target=target,
@@ -60,6 +60,11 @@ def runtime(otel, target, draft, tokenizer):
     )
     yield rt
     rt.close()
+
+
+@pytest.fixture
+def runtime(otel, target, draft, tokenizer):
+    yield from traced_runtime(otel, target, draft, tokenizer)
 
 
 def metrics_by_name(reader: InMemoryMetricReader) -> dict[str, list]:
@@ -229,19 +234,7 @@ LATEST_METRICS = {
 def latest_runtime(monkeypatch, otel, target, draft, tokenizer):
     """A runtime made with the conventions' opt-in variable set (it is read at construction)."""
     monkeypatch.setenv("OTEL_SEMCONV_STABILITY_OPT_IN", "http, gen_ai_latest_experimental")
-    _, tracer_provider, _, meter_provider = otel
-    rt = SpecRuntime(
-        target=target,
-        draft=draft,
-        tokenizer=tokenizer,
-        policies=POLICIES,
-        device="cpu",
-        model_name="tiny-llama",
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider,
-    )
-    yield rt
-    rt.close()
+    yield from traced_runtime(otel, target, draft, tokenizer)
 
 
 def test_latest_conventions_are_opt_in(runtime, otel) -> None:

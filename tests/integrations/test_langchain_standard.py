@@ -65,17 +65,13 @@ class TestChatSpecAgentUnit(ChatModelUnitTests):
         return True
 
 
-@pytest.mark.anyio
-class TestChatSpecAgentIntegration(ChatModelIntegrationTests):
-    """Everything that holds for any model, on the tiny random one."""
+class ChatSpecAgentCapabilities:
+    """What ChatSpecAgent supports, as LangChain's integration suite asks it (shared by the
+    tiny-model and real-model classes below)."""
 
     @property
     def chat_model_class(self) -> type[ChatSpecAgent]:
         return ChatSpecAgent
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"runtime": tiny_runtime(), "policy": "chat", "max_tokens": 200}
 
     @property
     def supports_json_mode(self) -> bool:
@@ -88,6 +84,15 @@ class TestChatSpecAgentIntegration(ChatModelIntegrationTests):
     @property
     def returns_usage_metadata(self) -> bool:
         return True
+
+
+@pytest.mark.anyio
+class TestChatSpecAgentIntegration(ChatSpecAgentCapabilities, ChatModelIntegrationTests):
+    """Everything that holds for any model, on the tiny random one."""
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"runtime": tiny_runtime(), "policy": "chat", "max_tokens": 200}
 
     @property
     def model_override_value(self) -> str:
@@ -115,28 +120,12 @@ CAPABLE_MODEL_TESTS = [
 
 @pytest.mark.anyio
 @pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
-class TestChatSpecAgentCapable(ChatModelIntegrationTests):
+class TestChatSpecAgentCapable(ChatSpecAgentCapabilities, ChatModelIntegrationTests):
     """The standard tests that need a model that follows instructions, on a real one."""
-
-    @property
-    def chat_model_class(self) -> type[ChatSpecAgent]:
-        return ChatSpecAgent
 
     @property
     def chat_model_params(self) -> dict:
         return {"runtime": capable_runtime()}
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
 
 
 def _delegating(name: str):
