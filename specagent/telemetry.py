@@ -99,7 +99,6 @@ _TTFT_BUCKETS = [
     7.5,
     10.0,
 ]
-_CHUNK_BUCKETS = _DURATION_BUCKETS
 _TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 _RATE_BUCKETS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
 _LENGTH_BUCKETS = [1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0]
@@ -196,7 +195,7 @@ class Telemetry:
             "gen_ai.client.inference.time_to_first_chunk",
             unit="s",
             description="Time from the request to the first chunk of a streaming response",
-            explicit_bucket_boundaries_advisory=_CHUNK_BUCKETS,
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
         )
         self.time_per_output_chunk = meter.create_histogram(
             "gen_ai.client.inference.time_per_output_chunk",

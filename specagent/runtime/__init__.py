@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -300,7 +300,7 @@ class SpecRuntime:
 
     # ------------------------------------------------------------------ the async core
 
-    async def stream(
+    def stream(
         self,
         prompt: Prompt,
         *,
@@ -317,14 +317,17 @@ class SpecRuntime:
         constraint: Constraint | None = None,
         tenant: str | None = None,
         parent_context: otel_context.Context | None = None,
-    ) -> AsyncIterator[StreamChunk]:
+    ) -> AsyncGenerator[StreamChunk, None]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
 
         ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
         ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
         a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
-        is for: a ``suffix``/``auto`` policy drafts only from that tenant's earlier calls."""
-        chunks = self._run(
+        is for: a ``suffix``/``auto`` policy drafts only from that tenant's earlier calls.
+
+        The generator is ``_run``'s own (no wrapper generator on the per-chunk path); closing it
+        cancels the call."""
+        return self._run(
             prompt,
             True,
             policy=policy,
@@ -341,9 +344,6 @@ class SpecRuntime:
             tenant=tenant,
             parent_context=parent_context,
         )
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
 
     async def _run(
         self,

@@ -4,7 +4,6 @@ catalog's Qwen2.5-Coder-0.5B-Instruct by default), and shows what it is for."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,9 +20,7 @@ pytestmark = pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=n
 def run_example(name: str, *args: str) -> str:
     capable_runtime()  # fetched and converted once, before the example loads it from the cache
     command = [sys.executable, str(ROOT / "examples" / name), "--target", CAPABLE_MODEL, *args]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=900, env=dict(os.environ), cwd=ROOT
-    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
