@@ -8,6 +8,9 @@ output becomes the assistant message the next turn builds on. Methods: transform
 greedy ``generate``, prompt lookup and assisted generation, and specagent's policies, all on the
 runtime's model objects (so in one dtype). specagent's calls carry one tenant, and its history is
 cleared before each method's pass, so no method ever sees text from another method or round.
+specagent runs twice when the runtime keeps a prefix cache: paying every turn's whole prefill,
+as the transformers baselines do, and as an agent runs it (``+reuse``: each turn starts from the
+KV the previous turn left, prompt and reply, and prefills only the new message).
 
 Reported per turn and per episode: decode time, tokens, tokens/s, and for specagent acceptance
 and where the accepted tokens came from (history, draft model, grammar); every lossless output is
@@ -145,7 +148,12 @@ def run_agent_bench(
     runs = baseline_methods(runtime, max_new_tokens)
     for policy in runtime.policies:
         if policy.name != "default":
-            runs[f"specagent_{policy.name}"] = _spec_method(runtime, policy.name, max_new_tokens)
+            name = f"specagent_{policy.name}"
+            runs[name] = _spec_method(runtime, policy.name, max_new_tokens, reuse=False)
+            if runtime.prefix_cache is not None:
+                runs[f"{name}+reuse"] = _spec_method(
+                    runtime, policy.name, max_new_tokens, reuse=True
+                )
     if methods is not None:
         only = set(methods)
         unknown = only - set(runs)
@@ -169,6 +177,8 @@ def run_agent_bench(
         for name, method in runs.items():  # plain first: the reference
             if runtime.history is not None:
                 runtime.history.clear()  # nothing carried over from another method or round
+            if runtime.prefix_cache is not None:
+                runtime.prefix_cache.clear()
             start = time.perf_counter()
             for episode in episodes:
                 turns, outputs = _run_episode(runtime, episode, method, round_index)
@@ -187,6 +197,12 @@ def run_agent_bench(
     for episode_id, by_method in passes.items():
         out.episodes[episode_id] = {name: _median(rounds) for name, rounds in by_method.items()}
     out.summary = _summarise(out.episodes, {e.id: e.kind for e in episodes})
+    if runtime.prefix_cache is not None:
+        # Only the ``+reuse`` methods find anything: the others clear it before every call.
+        out.summary["prefix_reuse"] = {
+            "hits": runtime.prefix_cache.hits,
+            "reused_tokens": runtime.prefix_cache.reused_tokens,
+        }
     out.peak_rss_mb = peak_rss_mb()
     return out
 
@@ -223,8 +239,14 @@ def _median(rounds: list[list[TurnResult]]) -> list[TurnResult]:
     return ordered[len(ordered) // 2]
 
 
-def _spec_method(runtime: SpecRuntime, policy: str, max_new_tokens: int) -> Method:
+def _spec_method(runtime: SpecRuntime, policy: str, max_new_tokens: int, *, reuse: bool) -> Method:
+    """specagent through the public runtime. ``reuse``: as an agent runs it, each turn starting
+    from the KV the previous turn left (prefix cache); without, every turn pays its whole
+    prefill, as the transformers baselines do."""
+
     def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
+        if not reuse and runtime.prefix_cache is not None:
+            runtime.prefix_cache.clear()  # between calls: the worker is idle
         result = runtime.generate_sync(
             ids, policy=policy, max_new_tokens=max_new_tokens, seed=seed, tenant=TENANT
         )

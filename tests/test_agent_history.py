@@ -168,6 +168,8 @@ def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
         "hf_assisted",
         "specagent_lossless-auto",
         "specagent_lossless-draft_model",
+        "specagent_lossless-auto+reuse",
+        "specagent_lossless-draft_model+reuse",
     }
     for rows in result.episodes.values():
         assert set(rows) == methods
@@ -180,6 +182,8 @@ def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
     assert summary["speedup_vs_plain"]["plain"]["total"] == 1.0
     assert "specagent_lossless-auto" in summary["speedup_vs_hf_prompt_lookup"]
     assert result.history["tokens"] > 0  # the auto policy kept the tenant's turns
+    # The +reuse methods started later turns from earlier turns' KV (prompt and reply).
+    assert summary["prefix_reuse"]["hits"] > 0
     json_path, png_path = save_agent_bench(result, tmp_path, "agent")
     assert json_path.exists()
     assert png_path.stat().st_size > 0

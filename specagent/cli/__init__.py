@@ -205,13 +205,14 @@ def _bench(args: argparse.Namespace) -> int:
     if agent:
         from ..agent_bench import agent_policies, run_agent_bench, save_agent_bench
 
-    # No prefix reuse here: every method pays its own prefill, as the baselines do
-    # (benchmarks/runtime_load.py measures what reuse saves).
+    # Single prompts: no prefix reuse, every method pays its own prefill, as the baselines do
+    # (benchmarks/runtime_load.py measures what reuse saves). Agent episodes run specagent both
+    # ways: paying every prefill, and as an agent runs it (each turn from the last one's KV).
     runtime = SpecRuntime.from_pretrained(
         target,
         draft=draft,
         policies=(agent_policies if agent else bench_policies)(draft is not None),
-        prefix_cache_tokens=0,
+        prefix_cache_tokens=65536 if agent else 0,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
     )

@@ -12,9 +12,9 @@ import copy
 import functools
 import inspect
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,8 @@ __all__ = [
     "ForwardRequest",
     "ModelRunner",
     "PrefixCache",
+    "PrefixScope",
+    "Prefixes",
     "advance",
     "common_prefix_length",
     "crop_to",
@@ -274,9 +276,7 @@ def advance(
         return item
 
 
-def prefill(
-    runner: ModelRunner, tokens: Sequence[int], prefixes: PrefixCache | None
-) -> DynamicCache:
+def prefill(runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | None) -> DynamicCache:
     """A cache holding the KV of ``tokens``: from the longest kept prefix when there is one,
     then computing only the rest; the result is kept for later calls."""
     cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
@@ -336,13 +336,33 @@ def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     return view
 
 
-class PrefixCache:
-    """KV of recent prompt prefixes, reused across calls (bounded, least recently used first out).
+class Prefixes(Protocol):
+    """Where a call finds and leaves KV for later calls (``PrefixCache`` or one scope of it)."""
 
-    Agents resend the same system prompt and tool schemas on every turn. After a call's prefill,
-    its prompt KV is kept; a later call whose prompt shares a long enough prefix with a kept one
-    starts from a copy of that KV, cropped to the shared length, and prefills only the rest.
-    Entries are per model runner (target, draft, early-exit view), since their KV differ.
+    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
+        """A private copy of the KV of the longest kept prefix of ``tokens``, and its length."""
+        ...
+
+    def store(
+        self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
+    ) -> None:
+        """Keep ``cache``, which holds exactly the KV of ``tokens``."""
+        ...
+
+
+class PrefixCache:
+    """KV of recent prompts and conversations, reused across calls (bounded, least recently used
+    first out).
+
+    Agents resend the same system prompt and tool schemas on every turn, and each turn resends
+    the conversation so far: the previous turn's prompt and the reply the model wrote. A call
+    leaves two entries: its prompt's KV after the prefill, and, when it finishes, the KV of its
+    prompt and output (the cache it decoded with, handed over without a copy). A later call
+    whose prompt shares a long enough prefix with a kept entry starts from a copy of that KV,
+    cropped to the shared length, and prefills only the rest: the next turn of an agent pays
+    for its new message only. An entry that is a prefix of a newer one (same owner) is dropped.
+    Entries are per owner: a model runner (target, draft, early-exit view: their KV differ)
+    within a scope (``scoped``: one tenant's calls never start from another tenant's KV).
 
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
     must never change. Only the worker thread touches it.
@@ -353,14 +373,18 @@ class PrefixCache:
             raise ValueError("PrefixCache needs max_tokens >= 0 and min_tokens >= 1")
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
-        self._entries: OrderedDict[tuple[int, tuple[int, ...]], DynamicCache] = OrderedDict()
+        self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], DynamicCache] = OrderedDict()
         self._size = 0
         self.hits = 0
         self.reused_tokens = 0
 
-    def lookup(self, owner: int, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
+    def scoped(self, scope: Hashable) -> PrefixScope:
+        """The view of this cache that one scope (a tenant) reads and writes."""
+        return PrefixScope(self, scope)
+
+    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
         """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
-        its length; ``(None, 0)`` when no kept prompt shares ``min_tokens`` or more."""
+        its length; ``(None, 0)`` when no kept entry shares ``min_tokens`` or more."""
         best_key, best_len = None, 0
         for key in self._entries:
             if key[0] != owner:
@@ -377,22 +401,64 @@ class PrefixCache:
         self.reused_tokens += best_len
         return cache, best_len
 
-    def store(self, owner: int, tokens: Sequence[int], cache: DynamicCache) -> None:
-        """Keep a copy of ``cache``, which must hold exactly the KV of ``tokens``."""
+    def store(
+        self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
+    ) -> None:
+        """Keep ``cache``, which must hold exactly the KV of ``tokens``: a copy, or (``copy=False``,
+        for a cache its call no longer uses) the cache itself."""
         if len(tokens) < self.min_tokens or len(tokens) > self.max_tokens:
             return
         key = (owner, tuple(tokens))
         if key in self._entries:
             self._entries.move_to_end(key)
             return
-        self._entries[key] = copy.deepcopy(cache)
+        covered = [
+            old
+            for old in self._entries
+            if old[0] == owner and len(old[1]) < len(key[1]) and key[1][: len(old[1])] == old[1]
+        ]
+        for old in covered:  # the new entry holds all of them
+            del self._entries[old]
+            self._size -= len(old[1])
+        self._entries[key] = _copied(cache) if copy else cache
         self._size += len(tokens)
         while self._size > self.max_tokens:
-            (_, old), _ = self._entries.popitem(last=False)
-            self._size -= len(old)
+            (_, old_tokens), _ = self._entries.popitem(last=False)
+            self._size -= len(old_tokens)
+
+    def clear(self) -> None:
+        """Forget every entry (counters stay)."""
+        self._entries.clear()
+        self._size = 0
+
+    @property
+    def size(self) -> int:
+        """Tokens held, over every entry."""
+        return self._size
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _copied(cache: DynamicCache) -> DynamicCache:
+    return copy.deepcopy(cache)
+
+
+class PrefixScope:
+    """One scope's view of a ``PrefixCache``: lookups see only entries stored through the same
+    scope. The runtime gives each call its tenant's scope."""
+
+    def __init__(self, cache: PrefixCache, scope: Hashable) -> None:
+        self.cache = cache
+        self.scope = scope
+
+    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
+        return self.cache.lookup((self.scope, owner), tokens)
+
+    def store(
+        self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
+    ) -> None:
+        self.cache.store((self.scope, owner), tokens, cache, copy=copy)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import ForwardRequest, ModelRunner, PrefixCache, common_prefix_length, crop_to, prefill
+from .cache import ForwardRequest, ModelRunner, Prefixes, common_prefix_length, crop_to, prefill
 from .costs import CostModel, most_per_cost
 from .drafters import (
     EMPTY,
@@ -52,7 +52,7 @@ class DraftModelDrafter(StepwiseDrafter):
     def __init__(
         self,
         runner: ModelRunner,
-        prefixes: PrefixCache | None = None,
+        prefixes: Prefixes | None = None,
         confidence_threshold: float = 0.0,
         guess_ngrams: tuple[int, int] | None = None,
         costs: CostModel | None = None,
@@ -180,6 +180,14 @@ class DraftModelDrafter(StepwiseDrafter):
         if params.greedy:
             return Proposal(tokens=tokens, masks=masks or None)
         return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
+
+    def leave_cache(self) -> None:
+        """At the end of the call: hand this drafter's KV to the prefix cache, so the draft's
+        next call on the same conversation prefills only what is new (no copy: the call is
+        over)."""
+        if self._prefixes is not None and self._cached:
+            self._prefixes.store(id(self.runner), list(self._cached), self.cache, copy=False)
+            self.cache, self._cached = self.runner.new_cache(), []
 
     def _guess(self, context: list[int], limit: int) -> list[int]:
         """Tokens the draft will likely produce next, by n-gram lookup in the context. Fed with

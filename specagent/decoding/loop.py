@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import ForwardRequest, ModelRunner, PrefixCache, advance, crop_to, prefill
+from .cache import ForwardRequest, ModelRunner, Prefixes, advance, crop_to, prefill
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
@@ -158,7 +159,7 @@ def speculative_steps(
     stop_check: StopCheck | None = None,
     max_context: int | None = None,
     constraint: TokenConstraint | None = None,
-    prefixes: PrefixCache | None = None,
+    prefixes: Prefixes | None = None,
 ) -> DecodeSteps:
     """Generate up to ``max_new_tokens`` after ``prompt_ids``: per step, a forward request,
     then (after the logits are sent) the step's event.
@@ -167,7 +168,7 @@ def speculative_steps(
     once it is exceeded, the rest of the call is verified losslessly. A ``constraint`` (a
     grammar over the output) masks the draft's and the target's distributions at every position,
     so exactness holds with respect to the constrained target. ``prefixes`` reuses the KV of
-    prompt prefixes seen by earlier calls.
+    prefixes seen by earlier calls, and keeps this call's (prompt and output) when it finishes.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -238,9 +239,28 @@ def speculative_steps(
         if finish is None and (len(output) >= max_new_tokens or len(context) >= limit):
             finish = "length"
         if finish is not None:
+            if prefixes is not None:
+                _keep_for_later(prefixes, target, cache, context, drafter)
             yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
             return
         yield DecodeEvent(new, counters)
+
+
+def _keep_for_later(
+    prefixes: Prefixes,
+    target: ModelRunner,
+    cache: DynamicCache,
+    context: list[int],
+    drafter: Drafter | None,
+) -> None:
+    """Hand the finished call's KV (prompt and output) to ``prefixes``: an agent's next turn
+    resends this conversation and prefills only what it adds. The cache is not used again, so it
+    is kept without a copy; the drafter leaves its own the same way."""
+    crop_to(cache, len(context) - 1)  # the cache may hold accepted tokens cut at a stop
+    prefixes.store(id(target), context[:-1], cache, copy=False)
+    leave = getattr(drafter, "leave_cache", None)
+    if leave is not None:
+        leave()
 
 
 def _take_forced(constraint: TokenConstraint | None, limit: int) -> Proposal:

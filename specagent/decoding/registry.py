@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .acceptance import LenienceAcceptance, TopKAcceptance, TypicalAcceptance
-from .cache import ModelRunner, PrefixCache
+from .cache import ModelRunner, Prefixes
 from .costs import CostModel
 from .draft_model import build_draft_model, build_early_exit, check_early_exit, early_exit_layers
 from .drafters import Drafter, build_no_drafter, build_prompt_lookup
@@ -50,7 +50,7 @@ class DraftingParts:
 
     target: ModelRunner
     draft: ModelRunner | None
-    prefixes: PrefixCache | None
+    prefixes: Prefixes | None
     costs: Callable[[ModelRunner | None], CostModel]
     """Step costs of drafting with a runner (None: a free drafter), measured or the prior."""
     shallow: Callable[[int], ModelRunner]

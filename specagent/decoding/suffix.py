@@ -164,6 +164,12 @@ class AutoDrafter(StepwiseDrafter):
             return proposal
         return EMPTY
 
+    def leave_cache(self) -> None:
+        """The draft model's KV goes to the prefix cache at the end of the call."""
+        leave = getattr(self.model, "leave_cache", None)
+        if leave is not None:
+            leave()
+
     def observe(self, proposed: int, accepted: int) -> None:
         if self._source == "history":
             self.history.observe(proposed, accepted)

@@ -144,6 +144,27 @@ class Policy(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     match: MatchConfig = MatchConfig()
+    reproducible: bool = False
+    """Outputs that depend only on the call (prompt, policy, seed) and this machine's kept
+    measurements, never on load or timing: the call's forwards run alone (never batched with
+    other calls, whose padding changes the rounding), it starts from its own prefill (no KV left
+    by earlier calls), and it waits until the runtime's step costs and kernels are measured (or
+    loaded), so its draft lengths, and with them its forward shapes, are the same every run.
+    Needs ``drafter.history`` none or call. In low precision, a greedy lossless call can still
+    differ from plain greedy decoding at a near-tie (a forward over k + 1 tokens rounds
+    differently from k + 1 forwards over one); reproducible makes that difference the same on
+    every run. Costs throughput under concurrency."""
+
+    @model_validator(mode="after")
+    def _reproducible_history(self) -> Policy:
+        if self.reproducible and self.drafter.history not in ("none", "call"):
+            msg = (
+                f"a reproducible policy drafts from its own call only, but drafter.history is "
+                f"{self.drafter.history!r} (earlier calls' text would change its drafts, and "
+                "with them its forward shapes); use history: call"
+            )
+            raise ValueError(msg)
+        return self
 
     @field_validator("acceptance", mode="after")
     @classmethod

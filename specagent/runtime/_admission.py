@@ -44,6 +44,11 @@ class Request:
     """Whose earlier text this call may draft from, and where its own text is kept (None:
     its own context only, nothing kept)."""
 
+    @property
+    def reproducible(self) -> bool:
+        """Forwards alone, own prefill, measured costs only (``Policy.reproducible``)."""
+        return self.policy.reproducible
+
 
 @dataclass(frozen=True)
 class Admission:

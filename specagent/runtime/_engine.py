@@ -106,7 +106,12 @@ class Engine:
         policy = request.policy
         kind = DRAFTERS[drafter_kind(policy, self.draft_runner is not None)]
         key, history = request.history_key, self.history
-        parts = self.parts
+        # KV is reused within the call's tenant only: one tenant's prompts and outputs never
+        # seed another's forwards (nor, by timing, tell that they were sent).
+        prefixes = self.prefixes.scoped(request.tenant) if self.prefixes is not None else None
+        if request.reproducible:
+            prefixes = None  # KV from other calls' forwards would change its rounding
+        parts = dataclasses.replace(self.parts, prefixes=prefixes)
         if key is not None and history is not None:
             parts = dataclasses.replace(parts, history=history.indexes(key))
         drafter, schedule = kind.build(policy.drafter, parts)
@@ -126,7 +131,7 @@ class Engine:
             stop_check=stops.tokens_to_keep if stops is not None else None,
             max_context=self.context_window,
             constraint=request.grammar,
-            prefixes=self.prefixes,
+            prefixes=prefixes,
         )
         if key is None or history is None:
             return steps

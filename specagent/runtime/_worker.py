@@ -9,6 +9,10 @@ sink on the way. A cancelled call is dropped (with its KV caches) before the nex
 Between rounds the worker runs one timing of the background cost measurement (if any is left),
 so measuring never blocks the calls for longer than one forward, and no call's forward runs
 while a timing does (it would skew both).
+
+A reproducible call (``Policy.reproducible``) waits until that measurement is done (its draft
+lengths come from the measured costs, which must not change under it) and its forwards run
+alone, never padded into a batch with other calls.
 """
 
 from __future__ import annotations
@@ -117,6 +121,8 @@ class Worker:
             self.idle.set()
         self.inbox: collections.deque[Job] = collections.deque()
         self.active: list[Job] = []
+        self.waiting: list[Job] = []
+        """Reproducible calls taken from the inbox while the costs are still being measured."""
         self.cond = threading.Condition()
         self.stopping = False
         self.drain = True
@@ -128,7 +134,7 @@ class Worker:
             if self.stopping:
                 raise RuntimeClosedError("the runtime is shutting down; the call was not started")
             # Calls in the inbox that a free decoding slot will take next are not waiting.
-            free_slots = max(0, self.max_active - len(self.active))
+            free_slots = max(0, self.max_active - len(self.active) - len(self.waiting))
             if len(self.inbox) >= self.max_queue + free_slots:
                 msg = (
                     f"runtime overloaded: {len(self.active)} calls running and {len(self.inbox)} "
@@ -151,6 +157,7 @@ class Worker:
                     while (
                         not self.inbox
                         and not self.active
+                        and not self.waiting
                         and not self.stopping
                         and self.background is None
                     ):
@@ -158,13 +165,21 @@ class Worker:
                     if self.stopping and not self.drain:
                         self._fail_all(RuntimeClosedError("the runtime was closed"))
                         break
-                    if self.stopping and not self.inbox and not self.active:
+                    if self.stopping and not self.inbox and not self.active and not self.waiting:
                         break
                     starting: list[Job] = []
-                    while self.inbox and len(self.active) + len(starting) < self.max_active:
+                    if self.background is None:
+                        starting, self.waiting = self.waiting, []
+                    while (
+                        self.inbox
+                        and len(self.active) + len(self.waiting) + len(starting) < self.max_active
+                    ):
                         starting.append(self.inbox.popleft())
                 for job in starting:
-                    self._start(job)
+                    if self.background is not None and _reproducible(job):
+                        self.waiting.append(job)
+                    else:
+                        self._start(job)
                 self._step_all()
                 self._background_slice()
         except BaseException as exc:  # a bug in the worker itself: fail everyone, say why
@@ -190,8 +205,9 @@ class Worker:
 
     def _fail_all(self, exc: SpecAgentError) -> None:
         with self.cond:
-            jobs = [*self.active, *self.inbox]
+            jobs = [*self.active, *self.waiting, *self.inbox]
             self.active.clear()
+            self.waiting.clear()
             self.inbox.clear()
         for job in jobs:
             job.steps = None
@@ -210,12 +226,14 @@ class Worker:
 
     def _step_all(self) -> None:
         """One round: every pending forward, one batched forward per model."""
-        groups: dict[int, list[Job]] = {}
+        groups: dict[Any, list[Job]] = {}
         for job in list(self.active):
             if job.cancelled.is_set():
                 self._finish(job)
             elif job.pending is not None:
-                groups.setdefault(id(job.pending.runner), []).append(job)
+                # A reproducible call's forwards form a group of their own.
+                group = id(job) if _reproducible(job) else id(job.pending.runner)
+                groups.setdefault(group, []).append(job)
         for jobs in groups.values():
             requests = [job.pending for job in jobs if job.pending is not None]
             logits: list[torch.Tensor] | None = None
@@ -269,6 +287,10 @@ class Worker:
             job.steps = None
         with contextlib.suppress(ValueError):
             self.active.remove(job)
+
+
+def _reproducible(job: Job) -> bool:
+    return bool(getattr(job.request, "reproducible", False))
 
 
 def as_generation_error(exc: Exception) -> SpecAgentError:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specagent import Policy, SpecRuntime
+from specagent.chat import render_prompt
 from specagent.decoding.cache import ModelRunner, PrefixCache
 
 SYSTEM = "You are a support agent. Tools: lookup_order(order_id), shop_policy(topic). " * 3
@@ -80,3 +81,55 @@ def test_outputs_with_and_without_reuse_are_equal(target, draft, tokenizer, draf
     assert with_reuse.prefix_cache.reused_tokens > 100
     with_reuse.close()
     without.close()
+
+
+def conversation_policy() -> Policy:
+    return Policy(
+        name="p",
+        description="d",
+        mode="lossless",
+        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
+    )
+
+
+def test_the_next_turn_starts_from_the_kv_the_last_turn_left(target, draft, tokenizer) -> None:
+    """An agent's next call resends the conversation: prompt, the reply, a new message. The
+    finished call left its KV (prompt and output, target and draft), so only the new message
+    is prefilled; the tokens equal a runtime that prefills everything."""
+    runtimes = [
+        SpecRuntime(target, draft, tokenizer, [conversation_policy()], "cpu"),
+        SpecRuntime(
+            target, draft, tokenizer, [conversation_policy()], "cpu", prefix_cache_tokens=0
+        ),
+    ]
+    reused, cold = runtimes
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Order A-1?"}]
+    first = reused.generate_sync(messages, policy="p", max_new_tokens=16)
+    assert first.token_ids == cold.generate_sync(messages, policy="p", max_new_tokens=16).token_ids
+    prompt = render_prompt(messages, tokenizer, vocab_size=reused.vocab_size)
+    assert reused.prefix_cache is not None
+    before = reused.prefix_cache.reused_tokens
+    follow_up = [*prompt, *first.token_ids, *tokenizer.encode("<|user|>And B-2?<|assistant|>")]
+    second = reused.generate_sync(follow_up, policy="p", max_new_tokens=16)
+    assert (
+        second.token_ids == cold.generate_sync(follow_up, policy="p", max_new_tokens=16).token_ids
+    )
+    gained = reused.prefix_cache.reused_tokens - before
+    # The target skips the prompt and all but the last output token; the draft the same, short
+    # of what its last step fed past the accepted tokens (at most k + 1 = 5).
+    held = len(prompt) + len(first.token_ids) - 1
+    assert gained >= held + (held - 4)
+    for rt in runtimes:
+        rt.close()
+
+
+def test_kv_is_reused_within_a_tenant_only(target, draft, tokenizer) -> None:
+    rt = SpecRuntime(target, draft, tokenizer, [conversation_policy()], "cpu")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Order A-1?"}]
+    assert rt.prefix_cache is not None
+    rt.generate_sync(messages, policy="p", max_new_tokens=8, tenant="acme")
+    rt.generate_sync(messages, policy="p", max_new_tokens=8, tenant="globex")
+    assert rt.prefix_cache.hits == 0  # the same prompt, another tenant: prefilled again
+    rt.generate_sync(messages, policy="p", max_new_tokens=8, tenant="acme")
+    assert rt.prefix_cache.hits >= 1
+    rt.close()
