@@ -17,6 +17,9 @@ FinishReason = Literal["stop", "length"]
 class Usage:
     input_tokens: int
     output_tokens: int
+    cached_input_tokens: int = 0
+    """Of ``input_tokens``, those whose KV the call took from the prefix cache (an earlier turn
+    of the conversation, a shared system prompt) instead of computing it."""
 
     @property
     def total_tokens(self) -> int:

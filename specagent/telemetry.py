@@ -294,6 +294,7 @@ class Telemetry:
                 "gen_ai.response.finish_reasons": [result.finish_reason],
                 "gen_ai.usage.input_tokens": usage.input_tokens,
                 "gen_ai.usage.output_tokens": usage.output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": usage.cached_input_tokens,
                 "specagent.spec_decode.num_drafts": stats.num_drafts,
                 "specagent.spec_decode.num_draft_tokens": stats.num_draft_tokens,
                 "specagent.spec_decode.num_accepted_tokens": stats.num_accepted_tokens,

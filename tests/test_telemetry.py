@@ -94,6 +94,7 @@ def test_lossless_call_span_attributes(runtime, otel) -> None:
     assert attrs["gen_ai.request.seed"] == 1
     assert attrs["gen_ai.usage.input_tokens"] == result.usage.input_tokens
     assert attrs["gen_ai.usage.output_tokens"] == result.usage.output_tokens
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == result.usage.cached_input_tokens
     assert attrs["gen_ai.response.finish_reasons"] == (result.finish_reason,)
     assert attrs["specagent.policy"] == "exact"
     assert attrs["specagent.mode"] == "lossless"

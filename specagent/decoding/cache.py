@@ -276,9 +276,12 @@ def advance(
         return item
 
 
-def prefill(runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | None) -> DynamicCache:
+def prefill(
+    runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | None
+) -> tuple[DynamicCache, int]:
     """A cache holding the KV of ``tokens``: from the longest kept prefix when there is one,
-    then computing only the rest; the result is kept for later calls."""
+    then computing only the rest; the result is kept for later calls. Also returns how many of
+    ``tokens`` came from the kept prefix."""
     cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
     if cache is None:
         cache = runner.new_cache()
@@ -286,7 +289,7 @@ def prefill(runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | Non
         runner.forward(list(tokens[reused:]), cache, keep=1)
         if prefixes is not None:
             prefixes.store(id(runner), tokens, cache)
-    return cache
+    return cache, reused
 
 
 def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -102,7 +102,7 @@ class DraftModelDrafter(StepwiseDrafter):
         if k <= 0 or not context:
             return EMPTY
         if not self._cached and self._prefixes is not None and len(context) > 1:
-            self.cache = prefill(self.runner, context[:-1], self._prefixes)
+            self.cache, _ = prefill(self.runner, context[:-1], self._prefixes)
             self._cached = list(context[:-1])
         shared = common_prefix_length(self._cached, context)
         shared = min(shared, len(context) - 1)  # always feed at least the last token

@@ -66,6 +66,8 @@ class DecodeCounters:
     ``num_draft_tokens``)."""
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     """Accepted tokens per source: ``model``, ``history``, ``grammar``."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose target KV came from the prefix cache (not prefilled by this call)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -181,7 +183,9 @@ def speculative_steps(
     context = list(prompt_ids)
     output: list[int] = []
     # The cache holds everything but the last token, which every step feeds first.
-    cache = prefill(target, context[:-1], prefixes) if len(context) > 1 else target.new_cache()
+    cache, counters.cached_prompt_tokens = (
+        prefill(target, context[:-1], prefixes) if len(context) > 1 else (target.new_cache(), 0)
+    )
 
     while True:
         # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.

@@ -62,7 +62,11 @@ class CallAssembler:
             text=text,
             token_ids=list(output_ids),
             finish_reason=event.finish_reason,  # type: ignore[arg-type]
-            usage=Usage(input_tokens=len(self.request.prompt_ids), output_tokens=len(output_ids)),
+            usage=Usage(
+                input_tokens=len(self.request.prompt_ids),
+                output_tokens=len(output_ids),
+                cached_input_tokens=event.counters.cached_prompt_tokens,
+            ),
             stats=self._stats(event.counters, now, len(output_ids)),
             seed=self.request.seed,
             prompt_token_ids=self.request.prompt_ids,

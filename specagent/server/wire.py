@@ -211,11 +211,12 @@ def speculative_stats(stats: SpecStats) -> dict[str, Any]:
     }
 
 
-def usage_body(result: GenerationResult) -> dict[str, int]:
+def usage_body(result: GenerationResult) -> dict[str, Any]:
     return {
         "prompt_tokens": result.usage.input_tokens,
         "completion_tokens": result.usage.output_tokens,
         "total_tokens": result.usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.usage.cached_input_tokens},
     }
 
 

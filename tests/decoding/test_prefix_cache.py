@@ -36,6 +36,28 @@ def test_lookup_store_and_eviction(target) -> None:
     assert cache.lookup(id(runner), tokens)[1] == 0
 
 
+def test_an_entry_a_longer_one_holds_is_dropped(target) -> None:
+    """A finished call's KV (prompt and output) holds its prompt's: the prompt's entry goes."""
+    runner = ModelRunner(target)
+    cache = PrefixCache(max_tokens=1000, min_tokens=4)
+    tokens = list(range(10, 70))
+    kv = runner.new_cache()
+    runner.forward(tokens[:40], kv, keep=1)
+    cache.store(id(runner), tokens[:40], kv)
+    runner.forward(tokens[40:], kv, keep=1)
+    cache.store(id(runner), tokens, kv, copy=False)
+    assert len(cache) == 1
+    assert cache.size == 60
+    hit, n = cache.lookup(id(runner), [*tokens, 5])
+    assert n == 60
+    assert hit is not kv  # lookups always copy
+    other = cache.scoped("tenant-b")
+    assert other.lookup(id(runner), tokens) == (None, 0)  # another scope sees nothing
+    cache.clear()
+    assert len(cache) == 0
+    assert cache.size == 0
+
+
 def test_reused_kv_equals_recomputed_kv(target) -> None:
     runner = ModelRunner(target)
     prefixes = PrefixCache(min_tokens=8)
@@ -111,10 +133,12 @@ def test_the_next_turn_starts_from_the_kv_the_last_turn_left(target, draft, toke
     before = reused.prefix_cache.reused_tokens
     follow_up = [*prompt, *first.token_ids, *tokenizer.encode("<|user|>And B-2?<|assistant|>")]
     second = reused.generate_sync(follow_up, policy="p", max_new_tokens=16)
-    assert (
-        second.token_ids == cold.generate_sync(follow_up, policy="p", max_new_tokens=16).token_ids
-    )
+    alone = cold.generate_sync(follow_up, policy="p", max_new_tokens=16)
+    assert second.token_ids == alone.token_ids
     gained = reused.prefix_cache.reused_tokens - before
+    # Usage says how much of the prompt came from the cache (OpenAI's cached_tokens).
+    assert second.usage.cached_input_tokens == len(prompt) + len(first.token_ids) - 1
+    assert alone.usage.cached_input_tokens == 0
     # The target skips the prompt and all but the last output token; the draft the same, short
     # of what its last step fed past the accepted tokens (at most k + 1 = 5).
     held = len(prompt) + len(first.token_ids) - 1

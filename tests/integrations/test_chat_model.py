@@ -133,6 +133,7 @@ def test_usage_and_response_metadata(chat) -> None:
     usage = message.usage_metadata
     assert usage is not None
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] > 0
+    assert 0 <= usage["input_token_details"]["cache_read"] < usage["input_tokens"]
     meta = message.response_metadata
     assert meta["model_name"] == "tiny-llama"
     assert meta["finish_reason"] in {"stop", "length"}

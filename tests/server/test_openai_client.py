@@ -49,6 +49,8 @@ def test_chat_completion_equals_the_runtime_alone_and_reports_speculation(live: 
     assert choice.finish_reason == alone.finish_reason
     assert reply.usage.prompt_tokens == alone.usage.input_tokens
     assert reply.usage.completion_tokens == alone.usage.output_tokens
+    assert reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
     stats = reply.model_extra["speculative_decoding_stats"]
     assert stats["policy"] == "default"
     assert stats["mode"] == "lossless"

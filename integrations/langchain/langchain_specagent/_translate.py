@@ -14,7 +14,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.outputs import ChatGenerationChunk
 
@@ -39,6 +39,7 @@ def final_chunk(chunk: CallChunk, model_name: str) -> ChatGenerationChunk:
             input_tokens=result.usage.input_tokens,
             output_tokens=result.usage.output_tokens,
             total_tokens=result.usage.total_tokens,
+            input_token_details=InputTokenDetails(cache_read=result.usage.cached_input_tokens),
         ),
         response_metadata={
             "model_name": model_name,
