@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
 from specagent.agent_bench import load_episodes
+from specagent.bench import baseline_methods
 from specagent.catalog import resolve_model
 from specagent.chat import render_prompt
 from specagent.evaluation import load_prompt_set
@@ -61,20 +61,6 @@ def prompts(runtime: SpecRuntime, limit: int | None) -> list[list[int]]:
     ]
     ids = [render_prompt(c, runtime.tokenizer, vocab_size=runtime.vocab_size) for c in chats]
     return ids[:limit] if limit else ids
-
-
-def plain(runtime: SpecRuntime, ids: list[int], max_new_tokens: int) -> list[int]:
-    inputs = torch.tensor([ids], device=runtime.device)
-    eos = runtime.eos_token_ids
-    out = runtime.target.generate(  # type: ignore[operator]
-        inputs,
-        attention_mask=torch.ones_like(inputs),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos or None,
-        pad_token_id=eos[0] if eos else 0,
-    )
-    return [t for t in out[0, len(ids) :].tolist() if t not in eos]
 
 
 def one_at_a_time(runtime: SpecRuntime, name: str, all_ids: list[list[int]], n: int) -> list:
@@ -127,7 +113,8 @@ def main() -> None:
     runs["adaptive, one at a time"] = one_at_a_time(runtime, "adaptive", all_ids, n)
     runs["reproducible, all at once"] = all_at_once(runtime, "reproducible", all_ids, n)
     runs["reproducible, one at a time"] = one_at_a_time(runtime, "reproducible", all_ids, n)
-    reference = [plain(runtime, ids, n) for ids in all_ids]
+    plain = baseline_methods(runtime, n)["plain"]  # transformers' greedy generate, same model
+    reference = [plain(ids, 0)[0] for ids in all_ids]
     runtime.close()
 
     def differ(a: list[list[int]], b: list[list[int]]) -> int:
