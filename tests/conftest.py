@@ -87,6 +87,21 @@ def perturbed_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaFor
     return draft.eval()
 
 
+class PinnedCosts:
+    """Step costs as a GPU measures them (verifying up to 40 tokens costs one forward, a draft
+    forward a twentieth of that), given to a runtime as its machine's kept measurements
+    (``probe_store=``): drafting pays, so adaptive schedules reach long drafts, every runtime
+    plans with the same costs once it has read them (its first background step), and no timing
+    of this machine changes which tokens a seed drafts."""
+
+    def get(self, key: str) -> dict:
+        cost = 0.010 if key.startswith("verify") else 0.0005
+        return {"costs": [cost] * 40, "transposed_rows": []}
+
+    def put(self, key: str, value: object) -> None:
+        """Nothing is measured, so nothing is stored."""
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
     return make_tokenizer()

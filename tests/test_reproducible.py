@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
+from conftest import PinnedCosts
 from pydantic import ValidationError
 
 from specagent import Policy, SpecRuntime
@@ -30,19 +31,6 @@ class MemoryStore:
 
     def put(self, key: str, value: Any) -> None:
         self.entries[key] = copy.deepcopy(value)
-
-
-class GpuLikeCosts:
-    """Kept measurements as a GPU makes them (verifying up to 40 tokens costs one forward, a draft
-    forward a twentieth of that): long drafts pay, and every runtime plans with the same costs
-    once it has read them (its first background step)."""
-
-    def get(self, key: str) -> dict:
-        cost = 0.010 if key.startswith("verify") else 0.0005
-        return {"costs": [cost] * 40, "transposed_rows": []}
-
-    def put(self, key: str, value: object) -> None:
-        """Nothing is measured, so nothing is stored."""
 
 
 def sampled(reproducible: bool) -> Policy:
@@ -120,7 +108,7 @@ def test_a_reproducible_call_starts_once_the_costs_are_known(
 def test_same_tokens_while_measuring_among_other_calls_and_in_a_later_runtime(
     target, draft, tokenizer
 ) -> None:
-    store = GpuLikeCosts()
+    store = PinnedCosts()
     first = runtime(target, draft, tokenizer, True, store)
     try:
         during = first.generate_sync(PROMPT, policy="clause")
@@ -150,7 +138,7 @@ def test_a_reproducible_call_runs_alone_and_from_its_own_prefill(
 
     monkeypatch.setattr(ModelRunner, "forward_batch", counted)
     for reproducible in (False, True):
-        rt = runtime(target, draft, tokenizer, reproducible, GpuLikeCosts())
+        rt = runtime(target, draft, tokenizer, reproducible, PinnedCosts())
         try:
             anyio.run(with_others, rt)
             anyio.run(with_others, rt)

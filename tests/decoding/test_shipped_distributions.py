@@ -24,7 +24,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
-from conftest import make_model, perturbed_copy
+from conftest import PinnedCosts, make_model, perturbed_copy
 from scipy.stats import chi2_contingency
 
 from specagent import Policy, SpecRuntime, shipped_policies
@@ -120,20 +120,6 @@ def pvalues(samples: np.ndarray, reference: np.ndarray) -> list[float]:
 
 
 # ---------------------------------------------------------------- speculative samples
-
-
-class PinnedCosts:
-    """Step costs as a GPU measures them (verifying up to 40 tokens costs one forward, a draft
-    forward a twentieth of that), given to the runtime as its machine's measurements: drafting
-    pays, so the policies' adaptive schedules reach long drafts, and no timing of this machine
-    changes which tokens a seed drafts."""
-
-    def get(self, key: str) -> dict:
-        cost = 0.010 if key.startswith("verify") else 0.0005
-        return {"costs": [cost] * 40, "transposed_rows": []}
-
-    def put(self, key: str, value: object) -> None:
-        """Nothing is measured, so nothing is stored."""
 
 
 def runtime_for(target, draft, policies, tokenizer=None) -> SpecRuntime:
