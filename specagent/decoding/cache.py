@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
 from .kernels import LinearPlan
 
 __all__ = [
@@ -44,7 +45,7 @@ def _forward_params(model_type: Any) -> frozenset[str]:
 def crop_to(cache: DynamicCache, length: int) -> None:
     """Drop cached positions beyond ``length`` (a negative crop works on every transformers
     version that has ``DynamicCache.crop``)."""
-    extra = cache.get_seq_length() - length
+    extra = int(cache.get_seq_length()) - length
     if extra > 0:
         cache.crop(-extra)
 
@@ -81,12 +82,36 @@ class ModelRunner:
         self._gather_checked: bool | None = None
         """Whether projecting gathered hidden states equals the model's own logits (checked
         once, on the first batch; None until then)."""
+        self.compiled: CompiledStep | None = None
+        """The compiled single-token step over static caches, where it measured faster
+        (``compiled.choose_compiled_step``); None: eager steps over dynamic caches."""
+
+    def compiler(self) -> CompiledStep:
+        """A compiled single-token step for this runner's model (compiled at its first use)."""
+        return CompiledStep(self.model, self._cache_kw)
 
     def new_cache(self) -> DynamicCache:
+        """An empty cache: a static one where this runner's steps run compiled, else an
+        ordinary one."""
+        if self.compiled is not None:
+            static = self.compiled.new_cache()
+            if static is not None:
+                return static  # type: ignore[return-value]
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers: no config argument
             return DynamicCache()
+
+    def adopt(self, cache: DynamicCache) -> DynamicCache:
+        """``cache`` (a kept prefix's private copy) as the kind of cache this runner's calls
+        use: copied into a static one where steps run compiled."""
+        if self.compiled is None:
+            return cache
+        own = self.new_cache()
+        if not is_static(own):
+            return cache
+        fill_static(own, cache)  # type: ignore[arg-type]
+        return own
 
     @torch.inference_mode()
     def forward(
@@ -99,6 +124,18 @@ class ModelRunner:
             return self._forward(input_ids, cache, keep)
 
     def _forward(self, input_ids: list[int], cache: DynamicCache, keep: int | None) -> torch.Tensor:
+        if is_static(cache):
+            ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
+            if (
+                self.compiled is not None
+                and len(input_ids) == 1
+                and keep in (None, 1)
+                and self.compiled.fits(cache)
+            ):
+                logits = self.compiled.step(input_ids[0], cache, self.device)  # type: ignore[arg-type]
+                if logits.shape[-1] != self.vocab_size:
+                    logits = _align_vocab(logits, self.vocab_size)
+                return logits.float()
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if keep is not None and self._has_logits_to_keep:
@@ -136,7 +173,10 @@ class ModelRunner:
                 self._forward(tokens, cache, k)
                 for (tokens, cache), k in zip(requests, keeps, strict=True)
             ]
-        lengths = [cache.get_seq_length() for _, cache in requests]
+        lengths = [int(cache.get_seq_length()) for _, cache in requests]
+        for tokens, cache in requests:
+            if is_static(cache):
+                ensure_room(cache, len(tokens))  # type: ignore[arg-type]
         counts = [len(tokens) for tokens, _ in requests]
         longest, widest, size = max(lengths), max(counts), len(requests)
         batch_cache = self.new_cache()
@@ -155,8 +195,9 @@ class ModelRunner:
                 for i, ((_, cache), length) in enumerate(zip(requests, lengths, strict=True)):
                     if length:
                         own: Any = cache.layers[layer]
-                        keys[i, :, longest - length :] = own.keys[0]
-                        values[i, :, longest - length :] = own.values[0]
+                        # A static layer's buffers run past its length: take the length.
+                        keys[i, :, longest - length :] = own.keys[0, :, :length]
+                        values[i, :, longest - length :] = own.values[0, :, :length]
                 batch_cache.update(keys, values, layer)
         ids = torch.zeros(size, widest, dtype=torch.long)
         mask = torch.zeros(size, longest + widest, dtype=torch.long)
@@ -243,7 +284,9 @@ class ModelRunner:
 
 def _plain_layers(cache: DynamicCache) -> bool:
     layers = getattr(cache, "layers", None)
-    return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+    return layers is not None and (
+        is_static(cache) or all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+    )
 
 
 @dataclass
@@ -283,8 +326,7 @@ def prefill(
     then computing only the rest; the result is kept for later calls. Also returns how many of
     ``tokens`` came from the kept prefix."""
     cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
-    if cache is None:
-        cache = runner.new_cache()
+    cache = runner.new_cache() if cache is None else runner.adopt(cache)
     if len(tokens) > reused:
         runner.forward(list(tokens[reused:]), cache, keep=1)
         if prefixes is not None:
@@ -423,7 +465,9 @@ class PrefixCache:
         for old in covered:  # the new entry holds all of them
             del self._entries[old]
             self._size -= len(old[1])
-        self._entries[key] = _copied(cache) if copy else cache
+        # A static cache is kept as an ordinary one cut to its length (a copy even when
+        # ``copy`` is False: its slots would hold memory for positions it never fills).
+        self._entries[key] = _copied(cache) if copy or is_static(cache) else cache
         self._size += len(tokens)
         while self._size > self.max_tokens:
             (_, old_tokens), _ = self._entries.popitem(last=False)
@@ -444,7 +488,7 @@ class PrefixCache:
 
 
 def _copied(cache: DynamicCache) -> DynamicCache:
-    return copy.deepcopy(cache)
+    return as_dynamic(cache)
 
 
 class PrefixScope:

@@ -89,6 +89,7 @@ class SpecRuntime:
         tracer_provider: Any | None = None,
         meter_provider: Any | None = None,
         probe_store: ProbeStore | None = None,
+        compile_steps: bool | None = None,
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -139,6 +140,7 @@ class SpecRuntime:
             longest=max(p.drafter.num_speculative_tokens for p in self.policies) + 1,
             decode_text=self._decode_text,
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
+            compile_steps=compile_steps,
         )
 
     @classmethod
@@ -192,6 +194,7 @@ class SpecRuntime:
             "tracer_provider": self._telemetry.tracer_provider,
             "meter_provider": self._telemetry.meter_provider,
             "probe_store": self.probe_store,
+            "compile_steps": False,  # the shared runners keep this runtime's steps
         }
         options.update(kwargs)
         other = SpecRuntime(
@@ -224,6 +227,15 @@ class SpecRuntime:
         """Earlier calls' text that ``suffix``/``auto`` policies draft from, per scope and
         tenant (``history_tokens`` bounds it; ``history.stats()`` says what it holds)."""
         return self._engine.history
+
+    @property
+    def compiled_steps(self) -> dict[str, dict[str, Any]]:
+        """Per model (``target``, ``draft``): whether its single-token steps run compiled over
+        static KV caches, and the measurement that decided it (``decoding.compiled``). Set by
+        the ``compile_steps`` option: ``None`` (default) measures on CUDA and elsewhere reuses
+        this machine's earlier decision, ``True`` measures where none is recorded, ``False``
+        keeps eager steps (then this is empty)."""
+        return {role: choice.to_json() for role, choice in self._engine.step_choices.items()}
 
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..decoding.cache import ModelRunner, PrefixCache, early_exit_view
+from ..decoding.compiled import StepChoice, choose_compiled_step
 from ..decoding.costs import CostBook
 from ..decoding.history import HistoryStore
 from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
@@ -40,6 +41,7 @@ class Engine:
         longest: int,
         decode_text: Callable[[Sequence[int]], str],
         history: HistoryStore | None = None,
+        compile_steps: bool | None = None,
     ) -> None:
         self.target = target
         self.vocab_size = vocab_size
@@ -56,7 +58,34 @@ class Engine:
         )
         self.shallow_runners: dict[int, ModelRunner] = {}
         self.store = store
-        self.use_costs(CostBook(self.target_runner, longest, store, key_of=model_key))
+        self.step_choices = self._choose_steps(compile_steps)
+        self.use_costs(CostBook(self.target_runner, longest, store, key_of=self._cost_key))
+
+    def _cost_key(self, model: torch.nn.Module, *parts: object) -> str:
+        """The store key of a model's cost curve: its shape, and whether its steps run compiled
+        (the curve is relative to a single-token step, which compiling changes)."""
+        runners = (self.target_runner, self.draft_runner)
+        if any(r is not None and r.model is model and r.compiled is not None for r in runners):
+            return model_key(model, *parts, "compiled")
+        return model_key(model, *parts)
+
+    def _choose_steps(self, compile_steps: bool | None) -> dict[str, StepChoice]:
+        """Per model: whether single-token steps run compiled over static caches
+        (``decoding.compiled``). ``None`` measures on CUDA and elsewhere reuses what this
+        machine measured before (compiling a 1.5B model takes minutes on a small CPU, for a
+        gain measured there at none); ``True`` measures where nothing is recorded; ``False``
+        keeps eager steps."""
+        if compile_steps is False:
+            return {}
+        choices = {}
+        for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
+            if runner is None:
+                continue
+            measure = compile_steps is True or runner.device.type == "cuda"
+            choices[role] = choose_compiled_step(
+                runner, key=model_key(runner.model), store=self.store, measure=measure
+            )
+        return choices
 
     def share(self, other: Engine) -> None:
         """Use ``other``'s runners (same models: kernels and caches of shapes are kept) and its
@@ -64,11 +93,12 @@ class Engine:
         each runtime drafts only from the calls it served."""
         self.target_runner, self.draft_runner = other.target_runner, other.draft_runner
         self.shallow_runners = other.shallow_runners
+        self.step_choices = other.step_choices
         longest = self.costs.longest
         if other.costs.covers(longest):
             self.use_costs(other.costs)
         else:
-            self.use_costs(CostBook(self.target_runner, longest, self.store, key_of=model_key))
+            self.use_costs(CostBook(self.target_runner, longest, self.store, key_of=self._cost_key))
 
     def use_costs(self, book: CostBook) -> None:
         self.costs = book
