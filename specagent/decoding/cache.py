@@ -97,6 +97,9 @@ class ModelRunner:
             static = self.compiled.new_cache()
             if static is not None:
                 return static  # type: ignore[return-value]
+        return self._dynamic_cache()
+
+    def _dynamic_cache(self) -> DynamicCache:
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers: no config argument
@@ -179,7 +182,7 @@ class ModelRunner:
                 ensure_room(cache, len(tokens))  # type: ignore[arg-type]
         counts = [len(tokens) for tokens, _ in requests]
         longest, widest, size = max(lengths), max(counts), len(requests)
-        batch_cache = self.new_cache()
+        batch_cache = self._dynamic_cache()  # a temporary copy: never a static one
         if longest > 0:
             template = next(c for (_, c), n in zip(requests, lengths, strict=True) if n)
             for layer in range(len(template.layers)):

@@ -83,6 +83,7 @@ def test_static_cache_forwards_equal_dynamic_ones_through_rollback_and_growth(ta
 
 def test_batched_forwards_over_static_caches_equal_single_ones(target) -> None:
     runner = ModelRunner(target)
+    runner.compiled = runner.compiler()  # batches run eagerly: nothing is compiled here
     caches = [new_static(target.config, 64), new_static(target.config, 64), runner.new_cache()]
     prompts = [list(range(3, 13)), list(range(20, 41)), list(range(7, 22))]
     for cache, prompt in zip(caches, prompts, strict=True):
