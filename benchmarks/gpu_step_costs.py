@@ -10,7 +10,11 @@ forwards do not depend on the weights' values; acceptance does, so it is control
 3. loop overhead: with the target as its own draft (acceptance 1.0) and with the random 0.5B
    draft (acceptance ~0), tokens/s of plain ``generate``, transformers assisted generation and
    specagent, same prompts, same process; plus prompt lookup on a repetitive prompt;
-4. greedy equality of specagent's output with plain greedy decoding.
+4. greedy equality of specagent's output with plain greedy decoding;
+5. compiled steps (``decoding.compiled``): each model's single-token step eager against
+   ``torch.compile`` over a static KV cache, as ``SpecRuntime(compile_steps=True)`` decides, and
+   specagent with the draft model end to end with compiled steps on both models against eager,
+   outputs compared.
 
     python benchmarks/gpu_step_costs.py --out benchmarks/results/gpu_h200.json
     python benchmarks/gpu_step_costs.py --tiny   # a CPU smoke run of the same code paths
@@ -33,6 +37,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.decoding.cache import ModelRunner, crop_to
+from specagent.decoding.compiled import choose_compiled_step
 from specagent.decoding.costs import CostModel, expected_tokens, measure_costs
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
@@ -281,6 +286,36 @@ def loop_overhead(target: Any, draft: Any, device: torch.device, new: int, repea
     return rows
 
 
+def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> dict:
+    """What compiling single-token steps buys here, and whether it keeps the tokens."""
+    vocab = ModelRunner(target).vocab_size
+    runners = {"target": ModelRunner(target), "draft": ModelRunner(draft, vocab_size=vocab)}
+    out: dict[str, Any] = {
+        role: choose_compiled_step(runner, key="", store=None, context_tokens=512).to_json()
+        for role, runner in runners.items()
+    }
+    ids = [(i * 7919) % (vocab - 1) + 1 for i in range(256)]
+    schedule = FixedSchedule(4)
+    results = {}
+    for mode in ("eager", "compiled"):
+        for runner in runners.values():
+            runner.compiled = runner.compiler() if mode == "compiled" else None
+        warm = DraftModelDrafter(runners["draft"])
+        spec_generate(runners["target"], ids, new, warm, schedule)  # warm-up (compiles)
+        sync(device)
+        start = time.perf_counter()
+        drafter = DraftModelDrafter(runners["draft"])
+        tokens, _ = spec_generate(runners["target"], ids, new, drafter, schedule)
+        sync(device)
+        results[mode] = (tokens, time.perf_counter() - start)
+    out["end_to_end"] = {
+        "eager_tokens_per_s": round(new / results["eager"][1], 2),
+        "compiled_tokens_per_s": round(new / results["compiled"][1], 2),
+        "compiled_equal_to_eager": results["compiled"][0] == results["eager"][0],
+    }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny models (a CPU smoke run)")
@@ -305,6 +340,8 @@ def main() -> None:
         report["step_costs"] = step_costs(target, draft, device, 512, args.repeats)
         print(json.dumps(report["step_costs"], indent=1), flush=True)
         report["loop"] = loop_overhead(target, draft, device, args.new_tokens, args.repeats)
+        print(json.dumps(report["loop"], indent=1), flush=True)
+        report["compiled_steps"] = compiled_steps(target, draft, device, args.new_tokens)
     report["wall_s"] = round(time.time() - started, 1)
     text = json.dumps(report, indent=1)
     print(text)
