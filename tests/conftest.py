@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +86,36 @@ def perturbed_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaFor
                 torch.randn(param.shape, generator=gen) * scale * param.std().clamp_min(1e-3)
             )
     return draft.eval()
+
+
+def hf_greedy(model: LlamaForCausalLM, ids: list[int], n: int) -> list[int]:
+    """transformers' own greedy decode of n tokens (no EOS stop): the reference of every
+    greedy-equality test."""
+    out = model.generate(  # type: ignore[operator]
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+class MemoryStore:
+    """A machine's kept measurements, in memory and empty unless given entries: a runtime
+    measures for real and keeps what it measured here (``puts`` counts what it kept)."""
+
+    def __init__(self, entries: dict[str, Any] | None = None) -> None:
+        self.entries: dict[str, Any] = entries or {}
+        self.puts = 0
+
+    def get(self, key: str) -> Any | None:
+        return copy.deepcopy(self.entries.get(key))
+
+    def put(self, key: str, value: Any) -> None:
+        self.puts += 1
+        self.entries[key] = copy.deepcopy(value)
 
 
 class PinnedCosts:

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import anyio
 import pytest
-from conftest import PinnedCosts
+from conftest import MemoryStore, PinnedCosts
 from pydantic import ValidationError
 
 from specagent import Policy, SpecRuntime
@@ -17,20 +16,6 @@ from specagent.policy import shipped_policies
 
 PROMPT = [{"role": "user", "content": "Draft a clause about late delivery of the goods."}]
 OTHERS = [[{"role": "user", "content": f"Question {i}: where is order {i}?"}] for i in range(6)]
-
-
-class MemoryStore:
-    """A machine's kept measurements, empty at first: the runtime measures its costs for real,
-    a timing per background step, over many steps."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, Any] = {}
-
-    def get(self, key: str) -> Any | None:
-        return copy.deepcopy(self.entries.get(key))
-
-    def put(self, key: str, value: Any) -> None:
-        self.entries[key] = copy.deepcopy(value)
 
 
 def sampled(reproducible: bool) -> Policy:

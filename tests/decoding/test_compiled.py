@@ -5,12 +5,12 @@ records and reuses the decision."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import anyio
 import pytest
 import torch
+from conftest import MemoryStore, hf_greedy
 from transformers import DynamicCache
 
 from specagent import Policy, SpecRuntime
@@ -31,33 +31,6 @@ from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.machine import model_key
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox"]
-
-
-class MemoryStore:
-    """A machine's kept measurements, in memory."""
-
-    def __init__(self, entries: dict[str, Any] | None = None) -> None:
-        self.entries: dict[str, Any] = entries or {}
-        self.puts = 0
-
-    def get(self, key: str) -> Any | None:
-        return copy.deepcopy(self.entries.get(key))
-
-    def put(self, key: str, value: Any) -> None:
-        self.puts += 1
-        self.entries[key] = copy.deepcopy(value)
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(ids) :].tolist()
 
 
 def test_static_cache_forwards_equal_dynamic_ones_through_rollback_and_growth(target) -> None:

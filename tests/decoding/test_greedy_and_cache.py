@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import hf_greedy, make_model
 from transformers import LlamaForCausalLM
 
 from specagent.decoding.cache import ModelRunner, early_exit_view
@@ -17,18 +17,6 @@ from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "abcabcabc", "The quick brown fox"]
-
-
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        max_new_tokens=n,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(ids) :].tolist()
 
 
 GREEDY = SamplingParams(0.0)
