@@ -4,6 +4,7 @@ runs, and what a result says about the machine."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,23 @@ def test_cli_models_info_says_which_dtype_and_why(
     assert '"cpu"' in out
     assert "target: " in out
     assert "s per token at acceptance 0.8" in out
+
+
+def test_cli_models_info_says_whether_steps_run_compiled(
+    tokenizer, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """``--compile-steps on`` measures compiled against eager steps and keeps the decision for
+    this machine; the default reads it back instead of compiling again."""
+    from specagent.cli import main
+
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path / "cache"))
+    make_model(len(tokenizer)).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    target = str(tmp_path / "target")
+    assert main(["models", "info", target, "--compile-steps", "on"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"target steps: (compiled|eager) \(compiled step .* vs eager", out)
+    assert main(["models", "info", target]) == 0
+    assert "(measured earlier on this machine)" in capsys.readouterr().out.split("target steps")[1]
+    assert main(["models", "info", target, "--compile-steps", "off"]) == 0
+    assert "target steps" not in capsys.readouterr().out

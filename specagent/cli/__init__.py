@@ -111,6 +111,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_steps(args: argparse.Namespace) -> bool | None:
+    """``--compile-steps`` as ``SpecRuntime``'s ``compile_steps`` (auto: None)."""
+    return {"on": True, "off": False}.get(args.compile_steps)
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_on_ray(args)
@@ -135,6 +140,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_seconds=args.drain_seconds,
         dtype=args.dtype,
         max_queue=args.max_queue,
+        compile_steps=_compile_steps(args),
     )
     return 0
 
@@ -188,10 +194,19 @@ def _model_info(args: argparse.Namespace) -> int:
     from ..machine import machine_info
     from ..runtime import SpecRuntime
 
-    runtime = SpecRuntime.from_pretrained(args.name, draft=args.draft, dtype=args.dtype)
-    print(json.dumps({"machine": machine_info(), "precision": runtime.precision}, indent=1))
+    runtime = SpecRuntime.from_pretrained(
+        args.name, draft=args.draft, dtype=args.dtype, compile_steps=_compile_steps(args)
+    )
+    described = {
+        "machine": machine_info(),
+        "precision": runtime.precision,
+        "compiled_steps": runtime.compiled_steps,
+    }
+    print(json.dumps(described, indent=1))
     for role, choice in runtime.precision.items():
         print(f"{role}: {choice['dtype']} ({choice['reason']})")
+    for role, step in runtime.compiled_steps.items():
+        print(f"{role} steps: {'compiled' if step['compiled'] else 'eager'} ({step['reason']})")
     runtime.close()
     return 0
 
@@ -215,6 +230,7 @@ def _bench(args: argparse.Namespace) -> int:
         prefix_cache_tokens=65536 if agent else 0,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
+        compile_steps=_compile_steps(args),
     )
     stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
     if agent:

@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DTYPES,
         help="target dtype, for every method alike (auto: the fastest measured here)",
     )
+    _compile_option(bench)
     bench.add_argument(
         "--draft-dtype",
         default=None,
@@ -232,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long calls in flight may take to finish",
     )
     serve.add_argument("--dtype", default="auto", choices=DTYPES, help="target dtype")
+    _compile_option(serve)
     serve.add_argument(
         "--ray",
         action="store_true",
@@ -308,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("name", help="catalog name, local path or hub id of the target")
     info.add_argument("--draft", help="catalog name, local path or hub id of a draft model")
     info.add_argument("--dtype", default="auto", choices=DTYPES, help="target dtype")
+    _compile_option(info)
     return parser
 
 
@@ -328,3 +331,14 @@ def _eval_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="use only the first N prompts")
     parser.add_argument("--seeds", type=int, default=4, help="seeds per prompt at temperature > 0")
     parser.add_argument("--seed", type=int, default=0, help="first seed")
+
+
+def _compile_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile-steps",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="single-token steps compiled over static KV caches where measured faster: auto "
+        "measures on CUDA and elsewhere reuses this machine's earlier decision; on measures "
+        "here (minutes on a small CPU, once per machine); off keeps eager steps",
+    )
