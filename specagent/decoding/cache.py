@@ -26,6 +26,7 @@ from .kernels import LinearPlan
 __all__ = [
     "ForwardRequest",
     "ModelRunner",
+    "PrefillTwin",
     "PrefixCache",
     "PrefixScope",
     "Prefixes",
@@ -50,6 +51,18 @@ def crop_to(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
+@dataclass(frozen=True)
+class PrefillTwin:
+    """A copy of a runner's model in another dtype, for its forwards over ``from_rows`` tokens
+    or more: on a CPU without native bf16, a bf16 draft decodes single tokens faster than in
+    float32 but prefills a prompt several times slower (``precision``). Its KV is cast into
+    the runner's own cache, so every later forward continues in the model's dtype. Only for a
+    draft: a draft's numbers never touch losslessness, a target's define it."""
+
+    model: PreTrainedModel
+    from_rows: int
+
+
 class ModelRunner:
     """Runs one causal LM forward over new tokens with its cache, returning float32 logits.
 
@@ -62,8 +75,12 @@ class ModelRunner:
         model: PreTrainedModel,
         vocab_size: int | None = None,
         kernels: LinearPlan | None = None,
+        prefill_twin: PrefillTwin | None = None,
     ) -> None:
         self.model = model
+        self.prefill_twin = prefill_twin
+        """Where long forwards run in another dtype (``PrefillTwin``; None: all in the model's)."""
+        self._dtype = next(model.parameters()).dtype
         self.kernels = kernels or LinearPlan()
         """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
         torch's own). The model object itself is never changed."""
@@ -127,6 +144,9 @@ class ModelRunner:
             return self._forward(input_ids, cache, keep)
 
     def _forward(self, input_ids: list[int], cache: DynamicCache, keep: int | None) -> torch.Tensor:
+        twin = self.prefill_twin
+        if twin is not None and len(input_ids) >= twin.from_rows:
+            return self._twin_forward(twin.model, input_ids, cache, keep)
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
             if (
@@ -144,6 +164,40 @@ class ModelRunner:
         if keep is not None and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
         logits = self.model(input_ids=ids, **kwargs).logits[0]
+        if keep is not None:
+            logits = logits[-keep:] if keep > 0 else logits[:0]
+        if logits.shape[-1] != self.vocab_size:
+            logits = _align_vocab(logits, self.vocab_size)
+        return logits.float()
+
+    def _twin_forward(
+        self, twin: PreTrainedModel, input_ids: list[int], cache: DynamicCache, keep: int | None
+    ) -> torch.Tensor:
+        """``_forward`` through ``twin``: the cached KV cast to its dtype, the new KV cast back
+        and appended to ``cache``."""
+        length = int(cache.get_seq_length())
+        dtype = next(twin.parameters()).dtype
+        temp = DynamicCache()
+        if length:
+            for index, layer in enumerate(cache.layers):
+                held: Any = layer
+                temp.update(
+                    held.keys[:, :, :length].to(dtype), held.values[:, :, :length].to(dtype), index
+                )
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        kwargs: dict[str, Any] = {self._cache_kw: temp, "use_cache": True}
+        if keep is not None and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        logits = twin(input_ids=ids, **kwargs).logits[0]
+        if is_static(cache):
+            ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
+        for index, layer in enumerate(temp.layers):
+            new: Any = layer
+            cache.update(
+                new.keys[:, :, length:].to(self._dtype),
+                new.values[:, :, length:].to(self._dtype),
+                index,
+            )
         if keep is not None:
             logits = logits[-keep:] if keep > 0 else logits[:0]
         if logits.shape[-1] != self.vocab_size:
@@ -171,6 +225,20 @@ class ModelRunner:
         over the positions somebody reads (``_gathered_logits``), not over the padding or the
         positions ``keep`` drops."""
         keeps = list(keep) if keep is not None else [None] * len(requests)
+        twin = self.prefill_twin
+        if twin is not None and len(requests) > 1:
+            long = [i for i, (tokens, _) in enumerate(requests) if len(tokens) >= twin.from_rows]
+            if long:  # prefills run alone through the twin; the rest as one batch
+                rest = [i for i in range(len(requests)) if i not in long]
+                out: dict[int, torch.Tensor] = {
+                    i: self._forward(requests[i][0], requests[i][1], keeps[i]) for i in long
+                }
+                if rest:
+                    batched = self.forward_batch(
+                        [requests[i] for i in rest], [keeps[i] for i in rest]
+                    )
+                    out.update(zip(rest, batched, strict=True))
+                return [out[i] for i in range(len(requests))]
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
             return [
                 self._forward(tokens, cache, k)

@@ -30,7 +30,7 @@ import torch
 from opentelemetry import context as otel_context
 
 from ..chat import Prompt
-from ..decoding.cache import PrefixCache
+from ..decoding.cache import PrefillTwin, PrefixCache
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..errors import GenerationError
@@ -90,6 +90,7 @@ class SpecRuntime:
         meter_provider: Any | None = None,
         probe_store: ProbeStore | None = None,
         compile_steps: bool | None = None,
+        draft_prefill: PrefillTwin | None = None,
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -141,6 +142,7 @@ class SpecRuntime:
             decode_text=self._decode_text,
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
             compile_steps=compile_steps,
+            draft_prefill=draft_prefill,
         )
 
     @classmethod
@@ -175,6 +177,7 @@ class SpecRuntime:
             draft_tokenizer=loaded.draft_tokenizer,
             model_name=kwargs.pop("model_name", None) or Path(loaded.source).name,
             probe_store=kwargs.pop("probe_store", loaded.store),
+            draft_prefill=kwargs.pop("draft_prefill", loaded.draft_prefill),
             **kwargs,
         )
         runtime.precision = loaded.precision

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..decoding.cache import ModelRunner, PrefixCache, early_exit_view
+from ..decoding.cache import ModelRunner, PrefillTwin, PrefixCache, early_exit_view
 from ..decoding.compiled import StepChoice, choose_compiled_step
 from ..decoding.costs import CostBook
 from ..decoding.history import HistoryStore
@@ -42,6 +42,7 @@ class Engine:
         decode_text: Callable[[Sequence[int]], str],
         history: HistoryStore | None = None,
         compile_steps: bool | None = None,
+        draft_prefill: PrefillTwin | None = None,
     ) -> None:
         self.target = target
         self.vocab_size = vocab_size
@@ -54,7 +55,9 @@ class Engine:
         self.num_layers = int(getattr(target.config, "num_hidden_layers", 0))
         self.target_runner = ModelRunner(target)  # type: ignore[arg-type]
         self.draft_runner = (
-            ModelRunner(draft, vocab_size=vocab_size) if draft is not None else None  # type: ignore[arg-type]
+            ModelRunner(draft, vocab_size=vocab_size, prefill_twin=draft_prefill)  # type: ignore[arg-type]
+            if draft is not None
+            else None
         )
         self.shallow_runners: dict[int, ModelRunner] = {}
         self.store = store

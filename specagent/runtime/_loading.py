@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..catalog import cache_dir, resolve_model
+from ..decoding.cache import PrefillTwin
 from ..machine import ProbeStore, config_key
 from ..models import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype
 from ..precision import DtypeChoice, Role, choose_dtype
@@ -28,6 +29,8 @@ class Loaded:
     """Where the target was loaded from (a path or hub id)."""
     precision: dict[str, Any] = field(default_factory=dict)
     """Per role: the dtype chosen and why (``DtypeChoice.to_json``)."""
+    draft_prefill: PrefillTwin | None = None
+    """A float32 copy of a bf16 draft for its long forwards, where they measured faster so."""
 
 
 def load_pair(
@@ -45,6 +48,7 @@ def load_pair(
     dev = resolve_device(device)
     store = ProbeStore(cache_dir() / "probes")
     precision: dict[str, Any] = {}
+    twins: dict[str, PrefillTwin] = {}
 
     def loaded(source: str, role: Role, wanted: str | torch.dtype) -> torch.nn.Module:
         def load(dt: torch.dtype) -> torch.nn.Module:
@@ -57,6 +61,9 @@ def load_pair(
         shape = config_key(load_config(source, trust_remote_code=trust_remote_code))
         model, choice = choose_dtype(load, role, dev, key=shape, store=store)
         precision[role] = choice.to_json()
+        if choice.prefill_dtype is not None and choice.prefill_from is not None:
+            twin = load(choice.prefill_dtype)
+            twins[role] = PrefillTwin(twin, choice.prefill_from)  # type: ignore[arg-type]
         return model
 
     tokenizer = load_tokenizer(target, trust_remote_code=trust_remote_code)
@@ -66,5 +73,13 @@ def load_pair(
         draft_tokenizer = load_tokenizer(draft, trust_remote_code=trust_remote_code)
         draft_model = loaded(draft, "draft", draft_dtype)
     return Loaded(
-        target_model, draft_model, tokenizer, draft_tokenizer, dev, store, str(target), precision
+        target_model,
+        draft_model,
+        tokenizer,
+        draft_tokenizer,
+        dev,
+        store,
+        str(target),
+        precision,
+        twins.get("draft"),
     )

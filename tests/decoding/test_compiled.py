@@ -5,6 +5,7 @@ records and reuses the decision."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import anyio
@@ -15,7 +16,7 @@ from transformers import DynamicCache
 
 from specagent import Policy, SpecRuntime
 from specagent.chat import render_prompt
-from specagent.decoding.cache import ModelRunner, PrefixCache, crop_to
+from specagent.decoding.cache import ModelRunner, PrefillTwin, PrefixCache, crop_to
 from specagent.decoding.compiled import (
     STATIC_TOKENS,
     as_dynamic,
@@ -231,3 +232,63 @@ def test_compiling_is_not_tried_where_nothing_was_measured(target) -> None:
     assert not choice.compiled
     assert runner.compiled is None
     assert refused.puts == 0
+
+
+def test_a_prefill_twin_runs_long_forwards_and_keeps_the_cache_in_the_models_dtype(
+    target, draft, tokenizer
+) -> None:
+    """A bf16 draft whose prompts are prefilled by its float32 copy: its cache stays bf16, the
+    logits of a long forward are the float32 model's, short forwards stay bf16, and greedy
+    speculative decoding still gives the target's own tokens (a draft never decides them)."""
+    low = copy.deepcopy(draft).to(torch.bfloat16)
+    twin = PrefillTwin(copy.deepcopy(draft), from_rows=8)
+    runner = ModelRunner(low, prefill_twin=twin)
+    prompt = list(range(3, 23))
+    cache = runner.new_cache()
+    logits = runner.forward(prompt, cache, keep=1)
+    reference = ModelRunner(draft).forward(prompt, ModelRunner(draft).new_cache(), keep=1)
+    torch.testing.assert_close(logits, reference)  # computed by the float32 copy
+    assert cache.get_seq_length() == len(prompt)
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+    step = runner.forward([5], cache)  # one token: the bf16 model, over the cast KV
+    own = ModelRunner(low)
+    own_cache = own.new_cache()
+    own.forward(prompt, own_cache, keep=1)
+    torch.testing.assert_close(step, own.forward([5], own_cache), atol=0.1, rtol=0.05)
+    # Batched: the long request through the twin, the short ones together, each as alone.
+    caches = [runner.new_cache(), runner.new_cache()]
+    runner.forward(prompt[:5], caches[1], keep=1)
+    batch = runner.forward_batch([(prompt, caches[0]), ([7], caches[1])], [1, None])
+    torch.testing.assert_close(batch[0], reference)
+    assert [c.get_seq_length() for c in caches] == [20, 6]
+    ids = tokenizer.encode(PROMPTS[1])
+    last = run(ModelRunner(target), ids, DraftModelDrafter(runner), FixedSchedule(4))
+    assert last.output_ids == hf_greedy(target, ids, 40)
+
+
+def test_the_draft_prefills_in_float32_where_that_measured_faster(tmp_path, monkeypatch) -> None:
+    from conftest import make_model
+
+    import specagent.precision as precision
+
+    def timed(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
+        # As measured on a CPU without native bf16: bf16 wins one token, loses per row.
+        low = next(model.parameters()).dtype == torch.bfloat16
+        return {
+            n: (0.4 if n == 1 else 0.04 * n) if low else (1.0 if n == 1 else 0.01 * n)
+            for n in lengths
+        }
+
+    monkeypatch.setattr(precision, "_time", timed)
+    store = MemoryStore()
+    load = lambda dtype: make_model(64).to(dtype)  # noqa: E731
+    _, choice = precision.choose_dtype(load, "draft", torch.device("cpu"), key="d", store=store)
+    assert choice.dtype == torch.bfloat16
+    assert choice.prefill_dtype == torch.float32
+    assert choice.prefill_from == 16
+    assert "run in float32" in choice.reason
+    _, again = precision.choose_dtype(load, "draft", torch.device("cpu"), key="d", store=store)
+    assert (again.prefill_dtype, again.prefill_from) == (torch.float32, 16)
+    # A target never gets one: its numbers define what lossless means.
+    _, target_choice = precision.choose_dtype(load, "target", torch.device("cpu"), key="t")
+    assert target_choice.prefill_dtype is None
