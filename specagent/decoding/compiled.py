@@ -5,13 +5,13 @@ runs the same small graph thousands of times per call. Two things can make it ch
 preallocated ("static") KV cache that is written in place instead of grown by concatenation, and
 ``torch.compile`` of the forward over that cache (inductor fuses the elementwise work between
 the matrix products; on CUDA, graph capture removes the launch overhead that dominates a small
-model's step). Neither is a law. Measured on a 2-core AMD EPYC (AVX2, bf16 emulated), the 0.5B
-Qwen draft's single-token step took 0.145 s eager and 0.201 s compiled over a 2,048-slot static
-cache (0.116 s against 0.135 s in another run over a shorter cache), after 84-117 s of compiling;
-the static cache alone changed nothing there. So ``choose_compiled_step`` compiles, checks that
-the compiled step gives the eager step's tokens, times both, keeps the compiled step only where
-it is clearly faster, and records the decision per machine and model shape, so a machine where
-it loses never compiles again.
+model's step). Neither is a law. Measured on a 2-core AMD EPYC (AVX2, bf16 emulated;
+``benchmarks/compiled_steps.py``), the bf16 0.5B Qwen draft's single-token step took 0.164 s
+eager and 0.228 s compiled over a 2,048-slot static cache, the float32 1.5B target's 0.915 s
+and 0.968 s, after 76 s and 101 s of compiling; a preallocated cache alone changed nothing.
+So ``choose_compiled_step`` compiles, checks that the compiled step gives the eager step's
+tokens, times both, keeps the compiled step only where it is clearly faster, and records the
+decision per machine and model shape, so a machine where it loses never compiles again.
 
 How it fits the rest of the core: a runner with a ``CompiledStep`` hands out static caches
 (``StaticCache`` of ``STATIC_TOKENS`` slots) and runs single-token forwards over them compiled;
@@ -29,6 +29,7 @@ reused across calls. It is not built: no GPU was at hand to measure what it buys
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -122,8 +123,6 @@ def as_dynamic(cache: Any) -> DynamicCache:
     """An ordinary cache holding a copy of what a static cache holds (its length, not its
     slots); other caches are deep-copied."""
     if not is_static(cache):
-        import copy
-
         return copy.deepcopy(cache)
     length = int(cache.get_seq_length())
     out = DynamicCache()
