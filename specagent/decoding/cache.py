@@ -155,17 +155,25 @@ class ModelRunner:
                 and keep in (None, 1)
                 and self.compiled.fits(cache)
             ):
-                logits = self.compiled.step(input_ids[0], cache, self.device)  # type: ignore[arg-type]
-                if logits.shape[-1] != self.vocab_size:
-                    logits = _align_vocab(logits, self.vocab_size)
-                return logits.float()
+                step = self.compiled.step(input_ids[0], cache, self.device)  # type: ignore[arg-type]
+                return self._finished(step)
+        return self._run(self.model, input_ids, cache, keep)
+
+    def _run(
+        self, model: PreTrainedModel, input_ids: list[int], cache: DynamicCache, keep: int | None
+    ) -> torch.Tensor:
+        """One forward of ``model`` over ``input_ids`` after ``cache``: the kept logits."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if keep is not None and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
-        logits = self.model(input_ids=ids, **kwargs).logits[0]
+        logits = model(input_ids=ids, **kwargs).logits[0]
         if keep is not None:
             logits = logits[-keep:] if keep > 0 else logits[:0]
+        return self._finished(logits)
+
+    def _finished(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits as every caller gets them: the target's vocabulary, float32."""
         if logits.shape[-1] != self.vocab_size:
             logits = _align_vocab(logits, self.vocab_size)
         return logits.float()
@@ -184,11 +192,7 @@ class ModelRunner:
                 temp.update(
                     held.keys[:, :, :length].to(dtype), held.values[:, :, :length].to(dtype), index
                 )
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        kwargs: dict[str, Any] = {self._cache_kw: temp, "use_cache": True}
-        if keep is not None and self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = keep
-        logits = twin(input_ids=ids, **kwargs).logits[0]
+        logits = self._run(twin, input_ids, temp, keep)
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
         for index, layer in enumerate(temp.layers):
@@ -198,11 +202,7 @@ class ModelRunner:
                 new.values[:, :, length:].to(self._dtype),
                 index,
             )
-        if keep is not None:
-            logits = logits[-keep:] if keep > 0 else logits[:0]
-        if logits.shape[-1] != self.vocab_size:
-            logits = _align_vocab(logits, self.vocab_size)
-        return logits.float()
+        return logits
 
     @torch.inference_mode()
     def forward_batch(
@@ -291,10 +291,7 @@ class ModelRunner:
         all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest)
         results = []
         for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
-            logits = all_logits[i]
-            if logits.shape[-1] != self.vocab_size:
-                logits = _align_vocab(logits, self.vocab_size)
-            results.append(logits.float())
+            results.append(self._finished(all_logits[i]))
             batch_layers: list[Any] = list(batch_cache.layers)
             for layer, batch_layer in enumerate(batch_layers):
                 new = slice(longest, longest + count)
