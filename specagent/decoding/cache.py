@@ -456,6 +456,10 @@ class Prefixes(Protocol):
         """A private copy of the KV of the longest kept prefix of ``tokens``, and its length."""
         ...
 
+    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` ``lookup`` would find kept (no copy made, nothing counted)."""
+        ...
+
     def store(
         self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
     ) -> None:
@@ -498,6 +502,24 @@ class PrefixCache:
     def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
         """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
         its length; ``(None, 0)`` when no kept entry shares ``min_tokens`` or more."""
+        best_key, best_len = self._longest(owner, tokens)
+        if best_key is None:
+            return None, 0
+        self._entries.move_to_end(best_key)
+        cache = copy.deepcopy(self._entries[best_key])
+        crop_to(cache, best_len)
+        self.hits += 1
+        self.reused_tokens += best_len
+        return cache, best_len
+
+    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` ``lookup`` would find kept: what a drafter weighs before it
+        decides to catch up (no copy made, no hit counted)."""
+        return self._longest(owner, tokens)[1]
+
+    def _longest(
+        self, owner: Hashable, tokens: Sequence[int]
+    ) -> tuple[tuple[Hashable, tuple[int, ...]] | None, int]:
         best_key, best_len = None, 0
         for key in self._entries:
             if key[0] != owner:
@@ -507,12 +529,7 @@ class PrefixCache:
                 best_key, best_len = key, shared
         if best_key is None or best_len < self.min_tokens:
             return None, 0
-        self._entries.move_to_end(best_key)
-        cache = copy.deepcopy(self._entries[best_key])
-        crop_to(cache, best_len)
-        self.hits += 1
-        self.reused_tokens += best_len
-        return cache, best_len
+        return best_key, best_len
 
     def store(
         self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
@@ -569,6 +586,9 @@ class PrefixScope:
 
     def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
         return self.cache.lookup((self.scope, owner), tokens)
+
+    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+        return self.cache.matched((self.scope, owner), tokens)
 
     def store(
         self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True

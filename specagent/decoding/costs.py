@@ -75,6 +75,23 @@ class CostModel:
         last = self.draft[-1] if self.draft else self.draft_step
         return last + 0.25 * self.draft_step * (n - max(len(self.draft), 1))
 
+    def catch_up_cost(self, n: int) -> float:
+        """What feeding ``n`` tokens the draft has not seen (a prompt's prefill, the tokens of
+        plain steps) adds to a draft forward: ``draft_cost(n + 1) - draft_step``. Past the
+        measured curve it grows by the curve's per-token slope over its upper half (where wide
+        forwards run as a prefill does: through a float32 twin, or compute-bound), not by the
+        quarter-step guess ``draft_cost`` plans guesses with, which would price a 1,500-token
+        prompt at several times what it costs."""
+        if n <= 0:
+            return 0.0
+        measured = len(self.draft)
+        if n + 1 <= measured or measured < 4:
+            return max(self.draft_cost(n + 1) - self.draft_step, 0.0)
+        half = measured // 2
+        slope = (self.draft[-1] - self.draft[half - 1]) / (measured - half)
+        slope = max(slope, 0.01 * self.draft_step)
+        return max(self.draft[-1] + slope * (n + 1 - measured) - self.draft_step, 0.0)
+
     def step_cost(self, k: int) -> float:
         return k * self.draft_step + self.verify_cost(k + 1)
 

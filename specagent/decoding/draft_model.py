@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import ForwardRequest, ModelRunner, Prefixes, common_prefix_length, crop_to, prefill
-from .costs import CostModel, most_per_cost
+from .costs import CostModel, expected_tokens, most_per_cost
 from .drafters import (
     EMPTY,
     Drafter,
@@ -57,6 +57,7 @@ class DraftModelDrafter(StepwiseDrafter):
         guess_ngrams: tuple[int, int] | None = None,
         costs: CostModel | None = None,
         plan_lengths: bool = True,
+        call_end: int | None = None,
     ) -> None:
         self.runner = runner
         self.confidence_threshold = confidence_threshold
@@ -72,6 +73,10 @@ class DraftModelDrafter(StepwiseDrafter):
         run to k and guesses as long as the lookup found."""
         self.plan_lengths = plan_lengths
         """False keeps every draft at k (a fixed schedule), short of the confidence stop."""
+        self.call_end = call_end
+        """The context length at which the call ends (None: unknown). With costs, the draft
+        catches up on a long unseen context (a first prefill) only where the call has enough
+        tokens left to earn it back (``catch_up_pays``)."""
         self._tested_confidence = 2.0
         self._tested_hits = 2.0
         """Decayed sums over the draft tokens the target has judged: the draft's confidence in
@@ -99,7 +104,7 @@ class DraftModelDrafter(StepwiseDrafter):
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
         """``propose`` as a coroutine that yields each draft forward instead of running it, so
         the runtime can batch the draft steps of many calls into one forward."""
-        if k <= 0 or not context:
+        if k <= 0 or not context or not self.catch_up_pays(context):
             return EMPTY
         if not self._cached and self._prefixes is not None and len(context) > 1:
             self.cache, _ = prefill(self.runner, context[:-1], self._prefixes)
@@ -180,6 +185,37 @@ class DraftModelDrafter(StepwiseDrafter):
         if params.greedy:
             return Proposal(tokens=tokens, masks=masks or None)
         return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
+
+    def catch_up_pays(self, context: list[int]) -> bool:
+        """Whether drafting now is worth feeding the draft what it has not seen of ``context``.
+
+        The first draft of a call prefills the prompt into the draft's cache (less what the
+        prefix cache holds), and drafting after plain steps feeds their tokens; a long prompt
+        makes that a cost of many steps. Drafting saves ``1 - 1 / rate`` target steps per token
+        (``rate``: expected tokens per unit of cost at the call's acceptance, best draft
+        length), at most over the tokens the call has left; where even that does not cover
+        the catch-up (a short tool call after a long tool schema), the call decodes without
+        the draft model and never pays its prefill. Without costs, a known end or planned
+        lengths (a fixed k: the policy asked to draft at every step): always."""
+        if self.costs is None or self.call_end is None or not self.plan_lengths:
+            return True
+        if self._cached:
+            seen = min(common_prefix_length(self._cached, context), len(context) - 1)
+        elif self._prefixes is not None and len(context) > 1:
+            seen = self._prefixes.matched(id(self.runner), context[:-1])
+        else:
+            seen = 0
+        unseen = len(context) - 1 - seen
+        if unseen <= 0:
+            return True
+        acceptance = min(self._call_hits / self._call_trials, 0.999)
+        longest = max(len(self.costs.verify) - 1, 1)
+        rate = max(
+            expected_tokens(acceptance, k) / self.costs.step_cost(k) for k in range(1, longest + 1)
+        )
+        saved_per_token = max(1.0 - 1.0 / rate, 0.0)
+        left = max(self.call_end - len(context), 0)
+        return left * saved_per_token >= self.costs.catch_up_cost(unseen)
 
     def leave_cache(self) -> None:
         """At the end of the call: hand this drafter's KV to the prefix cache, so the draft's
@@ -302,6 +338,7 @@ def _model_drafter(
         guesses,
         costs,
         plan_lengths=config.adaptive,
+        call_end=parts.call_end,
     )
     if not config.adaptive:
         return drafter, FixedSchedule(k)

@@ -58,6 +58,9 @@ class DraftingParts:
     num_layers: int
     history: Sequence[SuffixIndex] = ()
     """Earlier calls' text this call may draft from (its policy's history scope and tenant)."""
+    call_end: int | None = None
+    """The context length at which the call must end (prompt plus ``max_new_tokens``; None:
+    unknown): a draft model weighs what catching up costs against what the call has left."""
 
 
 Build = Callable[[Any, DraftingParts], "tuple[Drafter | None, Schedule]"]

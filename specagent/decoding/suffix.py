@@ -146,6 +146,9 @@ class AutoDrafter(StepwiseDrafter):
         model_k, model_rate = 0, 0.0
         if self.model is not None and self.schedule is not None:
             model_k = self.schedule.next_k(k)
+            pays = getattr(self.model, "catch_up_pays", None)
+            if model_k > 0 and pays is not None and not pays(context):
+                model_k = 0  # catching the draft up would cost more than the call can save
             if model_k > 0 and isinstance(self.schedule, AdaptiveSchedule):
                 best = max(self.schedule.best_k(), 1)
                 costs = self.schedule.costs

@@ -65,11 +65,15 @@ class Engine:
         self.use_costs(CostBook(self.target_runner, longest, store, key_of=self._cost_key))
 
     def _cost_key(self, model: torch.nn.Module, *parts: object) -> str:
-        """The store key of a model's cost curve: its shape, and whether its steps run compiled
-        (the curve is relative to a single-token step, which compiling changes)."""
+        """The store key of a model's cost curve: its shape, whether its steps run compiled
+        (the curve is relative to a single-token step, which compiling changes) and from which
+        length its forwards run through a float32 twin (``cache.PrefillTwin``)."""
         runners = (self.target_runner, self.draft_runner)
-        if any(r is not None and r.model is model and r.compiled is not None for r in runners):
-            return model_key(model, *parts, "compiled")
+        runner = next((r for r in runners if r is not None and r.model is model), None)
+        if runner is not None and runner.compiled is not None:
+            parts = (*parts, "compiled")
+        if runner is not None and runner.prefill_twin is not None:
+            parts = (*parts, f"twin-from-{runner.prefill_twin.from_rows}")
         return model_key(model, *parts)
 
     def _choose_steps(self, compile_steps: bool | None) -> dict[str, StepChoice]:
@@ -144,7 +148,11 @@ class Engine:
         prefixes = self.prefixes.scoped(request.tenant) if self.prefixes is not None else None
         if request.reproducible:
             prefixes = None  # KV from other calls' forwards would change its rounding
-        parts = dataclasses.replace(self.parts, prefixes=prefixes)
+        parts = dataclasses.replace(
+            self.parts,
+            prefixes=prefixes,
+            call_end=len(request.prompt_ids) + request.max_new_tokens,
+        )
         if key is not None and history is not None:
             parts = dataclasses.replace(parts, history=history.indexes(key))
         drafter, schedule = kind.build(policy.drafter, parts)
