@@ -295,8 +295,9 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 2
-"""Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused."""
+COSTS_VERSION = 3
+"""Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
+3: a transposed kernel's win is confirmed by a second pair of timings before it is kept."""
 
 
 class CostBook:

@@ -77,6 +77,7 @@ class DraftModelDrafter(StepwiseDrafter):
         """The context length at which the call ends (None: unknown). With costs, the draft
         catches up on a long unseen context (a first prefill) only where the call has enough
         tokens left to earn it back (``catch_up_pays``)."""
+        self._declined = False
         self._tested_confidence = 2.0
         self._tested_hits = 2.0
         """Decayed sums over the draft tokens the target has judged: the draft's confidence in
@@ -199,6 +200,10 @@ class DraftModelDrafter(StepwiseDrafter):
         lengths (a fixed k: the policy asked to draft at every step): always."""
         if self.costs is None or self.call_end is None or not self.plan_lengths:
             return True
+        if self._declined:
+            # Nothing the answer depends on improves as the call goes on: the unseen context
+            # grows with each plain step and the tokens left shrink.
+            return False
         if self._cached:
             seen = min(common_prefix_length(self._cached, context), len(context) - 1)
         elif self._prefixes is not None and len(context) > 1:
@@ -215,7 +220,8 @@ class DraftModelDrafter(StepwiseDrafter):
         )
         saved_per_token = max(1.0 - 1.0 / rate, 0.0)
         left = max(self.call_end - len(context), 0)
-        return left * saved_per_token >= self.costs.catch_up_cost(unseen)
+        self._declined = left * saved_per_token < self.costs.catch_up_cost(unseen)
+        return not self._declined
 
     def leave_cache(self) -> None:
         """At the end of the call: hand this drafter's KV to the prefix cache, so the draft's

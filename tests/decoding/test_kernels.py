@@ -105,6 +105,19 @@ def test_kernels_are_chosen_per_length_by_time() -> None:
     assert times[8] == pytest.approx(1.4)
 
 
+def test_a_transposed_win_that_does_not_repeat_is_not_kept() -> None:
+    """The first pair of timings caught torch's kernels in a slow moment; timed again in the
+    opposite order, the transposed form is no faster: torch's kernels stay."""
+    readings = iter([1.0, 0.8, 1.0, 1.0, 1.0, 0.5, 0.5, 1.0])  # length 1, then length 2
+
+    def time_forward(n: int, plan: LinearPlan) -> float:
+        return next(readings)
+
+    plan, times = choose_kernels(time_forward, [1, 2])
+    assert plan.transposed_rows == frozenset({2})
+    assert times == {1: 1.0, 2: 0.5}
+
+
 def test_kernels_stay_torch_where_the_transposed_form_is_slower() -> None:
     lengths = [1, 2, 4, 8]
     plan, times = choose_kernels(
