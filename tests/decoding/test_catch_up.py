@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_greedy
+from test_greedy_and_cache import run
 
 from specagent.decoding.cache import ModelRunner, PrefixCache, prefill
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.loop import speculative_generate
-from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
 
@@ -30,18 +29,8 @@ def long_prompt(vocab: int, n: int = 200) -> list[int]:
 
 
 def decode(target, ids, drafter, n, schedule=None):
-    events = list(
-        speculative_generate(
-            ModelRunner(target),
-            ids,
-            params=SamplingParams(0.0),
-            generator=make_generator(0),
-            max_new_tokens=n,
-            drafter=drafter,
-            schedule=schedule or FixedSchedule(3),
-        )
-    )
-    return events[-1]
+    """Greedy, up to n tokens; the last event."""
+    return run(ModelRunner(target), ids, drafter, 3, n=n, schedule=schedule)
 
 
 def test_catch_up_cost_follows_the_measured_curve_then_its_slope() -> None:
