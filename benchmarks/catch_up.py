@@ -28,10 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import SpecRuntime
 from specagent.agent_bench import agent_policies
-from specagent.bench import baseline_methods, dtypes_of, peak_rss_mb
+from specagent.bench import baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.machine import machine_info
 
 TOOL_NAMES = [
     "get_order", "cancel_order", "refund_order", "track_shipment", "update_address",
@@ -150,13 +149,10 @@ def main() -> None:
         "precision": dtypes_of(rt),
         "tools": args.tools,
         "rows": rows,
-        "peak_rss_mb": peak_rss_mb(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine_info(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"catch_up_{Path(args.target).name}_{rt.device.type}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = write_result(
+        result, args.out, f"catch_up_{Path(args.target).name}_{rt.device.type}", started
+    )
     print(f"wrote {path}")
 
 

@@ -16,7 +16,6 @@ each output checked against plain greedy.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,10 +24,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
-from specagent.bench import PROMPTS, baseline_methods, dtypes_of, peak_rss_mb
+from specagent.bench import PROMPTS, baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
 from specagent.decoding.compiled import STATIC_TOKENS, choose_compiled_step
-from specagent.machine import machine_info
 
 POLICY = Policy(
     name="lossless-draft_model",
@@ -122,13 +120,10 @@ def main() -> None:
         "max_new_tokens": n,
         "step_decision": steps,
         "end_to_end": rows,
-        "peak_rss_mb": peak_rss_mb(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine_info(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"compiled_steps_{Path(args.target).name}_{eager.device.type}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = write_result(
+        result, args.out, f"compiled_steps_{Path(args.target).name}_{eager.device.type}", started
+    )
     print(f"wrote {path}")
 
 

@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import SpecRuntime
 from specagent.agent_bench import agent_policies, load_episodes
-from specagent.bench import PROMPTS, baseline_methods, dtypes_of, geomean, peak_rss_mb
+from specagent.bench import PROMPTS, baseline_methods, dtypes_of, geomean, write_result
 from specagent.chat import render_prompt
-from specagent.machine import machine_info
 
 
 def main() -> None:
@@ -114,13 +113,10 @@ def main() -> None:
             key: round(geomean(r[key] for r in rows.values()), 3)
             for key in ("float32_prefill_vs_plain", "bf16_prefill_vs_plain")
         },
-        "peak_rss_mb": peak_rss_mb(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine_info(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"draft_prefill_{Path(args.target).name}_{rt.device.type}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = write_result(
+        result, args.out, f"draft_prefill_{Path(args.target).name}_{rt.device.type}", started
+    )
     print(json.dumps(result["geomean_vs_plain"]))
     print(f"wrote {path}")
 

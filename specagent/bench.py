@@ -410,3 +410,18 @@ def save(result: BenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
     write_chart(result, png_path)
     return json_path, png_path
+
+
+def write_result(result: dict[str, Any], out_dir: Path, stem: str, started: float) -> Path:
+    """A benchmark script's JSON (``out_dir/stem.json``): its numbers, then the process's peak
+    resident memory, the seconds since ``started`` and the machine it ran on."""
+    full = {
+        **result,
+        "peak_rss_mb": peak_rss_mb(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "machine": machine_info(),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(full, indent=1) + "\n")
+    return path
