@@ -197,16 +197,23 @@ class DraftModelDrafter(StepwiseDrafter):
         length), at most over the tokens the call has left; where even that does not cover
         the catch-up (a short tool call after a long tool schema), the call decodes without
         the draft model and never pays its prefill. Without costs, a known end or planned
-        lengths (a fixed k: the policy asked to draft at every step): always."""
+        lengths (a fixed k: the policy asked to draft at every step): always.
+
+        Only the first catch-up is priced. Once the draft holds the call's context, what it
+        has not seen is the few tokens since its last draft (plain steps, history drafts),
+        and whether drafting pays at the call's acceptance is the schedule's question, probes
+        included: pricing those catch-ups at a low acceptance (no saving at all) would turn
+        the draft model off for the rest of the call after one bad start."""
         if self.costs is None or self.call_end is None or not self.plan_lengths:
             return True
-        if self._declined:
-            # Nothing the answer depends on improves as the call goes on: the unseen context
-            # grows with each plain step and the tokens left shrink.
-            return False
         if self._cached:
-            seen = min(common_prefix_length(self._cached, context), len(context) - 1)
-        elif self._prefixes is not None and len(context) > 1:
+            return True
+        if self._declined:
+            # Nothing the answer depends on improves while the draft never runs: the unseen
+            # context grows with each plain step, the tokens left shrink, and the acceptance
+            # stays the prior (only the draft's own drafts move it).
+            return False
+        if self._prefixes is not None and len(context) > 1:
             seen = self._prefixes.matched(id(self.runner), context[:-1])
         else:
             seen = 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
 from specagent.decoding.cache import ModelRunner, PrefixCache, prefill
@@ -98,3 +98,34 @@ def test_auto_takes_history_where_the_draft_model_would_not_pay(target, draft) -
     assert model.draft_forwards == 0
     assert last.counters.num_draft_tokens > 0  # the history drafted
     assert "model" not in last.counters.accepted_by_source
+
+
+class _Recording(DraftModelDrafter):
+    """Notes the context length of every step at which the draft model ran a forward."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.drafted_at: list[int] = []
+
+    def propose_steps(self, context, k, params, generator, constraint=None):
+        before = self.draft_forwards
+        proposal = yield from super().propose_steps(context, k, params, generator, constraint)
+        if self.draft_forwards > before:
+            self.drafted_at.append(len(context))
+        return proposal
+
+
+def test_a_bad_start_does_not_turn_the_draft_off_for_the_rest_of_the_call(target) -> None:
+    """A draft that disagrees at first: the schedule falls back to plain steps and probes the
+    draft every ``probe_interval`` steps. Catching the draft up on the plain steps' few tokens
+    must not be priced at that low acceptance (no saving at all), or the first probe is
+    refused and the draft model never runs again in the call."""
+    unrelated = make_model(target.config.vocab_size, layers=1, seed=5, init=0.1)
+    ids = long_prompt(target.config.vocab_size, 20)
+    drafter = _Recording(ModelRunner(unrelated), costs=COSTS, call_end=len(ids) + 64)
+    schedule = AdaptiveSchedule(max_k=4, costs=COSTS, drafter_stops=True, prior_weight=2.0)
+    last = decode(target, ids, drafter, 64, schedule=schedule)
+    assert last.output_ids == hf_greedy(target, ids, 64)
+    at = drafter.drafted_at
+    assert len(at) < 64  # plain steps ran in between: drafting did not pay
+    assert max(at) - min(at) > schedule.probe_interval  # and probes drafted after them
