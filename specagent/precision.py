@@ -114,8 +114,9 @@ def choose_dtype(
         return load(torch.bfloat16), DtypeChoice(torch.bfloat16, "CUDA: bf16 runs natively")
     if device.type != "cpu":
         return load(torch.float32), DtypeChoice(torch.float32, f"{device.type}: float32")
-    # v2 for drafts: their decision also covers the prefill dtype, which v1 did not measure.
-    entry = f"dtype:{role}:{key}" if role == "target" else f"dtype-v2:draft:{key}"
+    # Drafts' v2: the decision also covers the prefill dtype. v3 (both roles): the transposed
+    # kernels feed a single row as two, which changes what a single-token forward costs.
+    entry = f"dtype-v3:{role}:{key}"
     stored = store.get(entry) if store is not None else None
     if isinstance(stored, dict) and stored.get("dtype") in ("float32", "bfloat16"):
         kept = DtypeChoice.from_json(

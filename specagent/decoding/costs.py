@@ -295,9 +295,10 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 3
+COSTS_VERSION = 4
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
-3: a transposed kernel's win is confirmed by a second pair of timings before it is kept."""
+3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
+4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel."""
 
 
 class CostBook:
