@@ -3,8 +3,11 @@
 An episode is a conversation an agent has (``data/agent_episodes.jsonl``, 12 of them): a tool
 call then an answer that quotes the tool's result, an answer rewritten as an email, a function
 returned again with one change, an SQL query fixed after its error, the same JSON shape extracted
-from document after document. Every method runs every episode as an agent would: each turn's
-output becomes the assistant message the next turn builds on. Methods: transformers' plain
+from document after document. Every method runs every episode as an agent would, one turn after
+the other through one runtime, and every method is handed the same conversation: plain greedy's
+replies become the assistant messages later turns build on, so each turn's prompt is the same for
+every method and its output can be compared with plain's (in bf16, where a near-tie can flip,
+one method's diverging reply would otherwise change every later prompt of its episode). Methods: transformers' plain
 greedy ``generate``, prompt lookup and assisted generation, and specagent's policies, all on the
 runtime's model objects (so in one dtype). specagent's calls carry one tenant, and its history is
 cleared before each method's pass, so no method ever sees text from another method or round.
@@ -14,7 +17,10 @@ KV the previous turn left, prompt and reply, and prefills only the new message).
 
 Reported per turn and per episode: decode time, tokens, tokens/s, and for specagent acceptance
 and where the accepted tokens came from (history, draft model, grammar); every lossless output is
-compared with plain greedy token for token. Ratios use total decode time over an episode (and
+compared with plain greedy token for token, and where one differs, ``explain_divergence`` says
+whether the first differing token was a tie within the dtype's rounding (the float32 target's
+margin between the two tokens is below the rounding error of the dtype's own logits) or a real
+difference. Ratios use total decode time over an episode (and
 over all of them), medians of the rounds.
 """
 
@@ -101,6 +107,9 @@ class TurnResult:
     mean_acceptance_length: float | None = None
     accepted_by_source: dict[str, int] | None = None
     equal_to_plain: bool | None = None
+    divergence: dict[str, Any] | None = None
+    """Where an output first differs from plain greedy, and whether the two tokens were a tie
+    within the rounding of the dtype (``explain_divergence``)."""
 
 
 @dataclass
@@ -172,8 +181,10 @@ def run_agent_bench(
     out = AgentBenchResult(target_name, draft_name, max_new_tokens, str(runtime.device), repeats)
     out.precision = dtypes_of(runtime)
     passes: dict[str, dict[str, list[list[TurnResult]]]] = {e.id: {} for e in episodes}
+    differ: list[tuple[TurnResult, list[int], list[int], list[int]]] = []
     for round_index in range(repeats):
         plain: dict[str, list[list[int]]] = {}
+        replies: dict[str, list[str]] = {}
         for name, method in runs.items():  # plain first: the reference
             if runtime.history is not None:
                 runtime.history.clear()  # nothing carried over from another method or round
@@ -181,14 +192,18 @@ def run_agent_bench(
                 runtime.prefix_cache.clear()
             start = time.perf_counter()
             for episode in episodes:
-                turns, outputs = _run_episode(runtime, episode, method, round_index)
+                turns, outputs, ids, texts = _run_episode(
+                    runtime, episode, method, round_index, replies.get(episode.id)
+                )
                 if name == "plain":
-                    plain[episode.id] = outputs
+                    plain[episode.id], replies[episode.id] = outputs, texts
                 else:
-                    for turn, mine, reference in zip(
-                        turns, outputs, plain[episode.id], strict=True
+                    for turn, prompt, mine, reference in zip(
+                        turns, ids, outputs, plain[episode.id], strict=True
                     ):
                         turn.equal_to_plain = mine == reference
+                        if mine != reference:
+                            differ.append((turn, prompt, reference, mine))
                 passes[episode.id].setdefault(name, []).append(turns)
             log(f"round {round_index + 1}: {name} in {time.perf_counter() - start:.0f}s")
             held = runtime.history.stats() if runtime.history is not None else {}
@@ -203,20 +218,112 @@ def run_agent_bench(
             "hits": runtime.prefix_cache.hits,
             "reused_tokens": runtime.prefix_cache.reused_tokens,
         }
-    out.peak_rss_mb = peak_rss_mb()
+    out.peak_rss_mb = peak_rss_mb()  # before the float32 reference below is built
+    reported = {id(t) for rows in out.episodes.values() for turns in rows.values() for t in turns}
+    explain = [d for d in differ if id(d[0]) in reported]
+    if explain:
+        log(f"explaining {len(explain)} outputs that differ from plain greedy")
+        explained = explain_divergence(runtime, [d[1:] for d in explain])
+        for (turn, *_), divergence in zip(explain, explained, strict=True):
+            turn.divergence = divergence
+    out.summary["divergences"] = _divergence_summary(out.episodes)
     return out
 
 
+def explain_divergence(
+    runtime: SpecRuntime, cases: list[tuple[list[int], list[int], list[int]]]
+) -> list[dict[str, Any]]:
+    """For each ``(prompt, reference, output)``: where ``output`` first differs from
+    ``reference`` and whether that was a tie within rounding.
+
+    Greedy decoding in bf16 is not one function: plain decoding feeds one token per forward, a
+    verification feeds several, and the sums inside the model are added in another order, so
+    where two tokens' logits are nearly equal either can come out on top. The first differing
+    token is judged against the target in float32 (a copy, when the target runs in another
+    dtype): the two tokens' margin there is compared with the dtype's own error at that
+    position (the largest difference between the dtype's and float32's logits over float32's
+    ten likeliest tokens). ``near_tie`` when the margin is within that error; otherwise the
+    outputs differ for a reason rounding cannot explain, and the report says so."""
+    import copy
+
+    import torch
+
+    target = runtime.target
+    exact = target
+    if next(target.parameters()).dtype != torch.float32:
+        exact = copy.deepcopy(target).float()
+    seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    reports = []
+    with torch.inference_mode():
+        for prompt, reference, output in cases:
+            at = next(
+                (i for i, (a, b) in enumerate(zip(reference, output, strict=False)) if a != b),
+                min(len(reference), len(output)),
+            )
+            report: dict[str, Any] = {"at": at}
+            if at >= min(len(reference), len(output)):
+                report["near_tie"] = False  # one stopped where the other went on
+                report["lengths"] = [len(reference), len(output)]
+                reports.append(report)
+                continue
+            prefix = tuple(prompt + reference[:at])
+            if prefix not in seen:
+                ids = torch.tensor([prefix], device=runtime.device)
+                own = target(input_ids=ids).logits[0, -1].float()
+                seen[prefix] = (own, exact(input_ids=ids).logits[0, -1].float())
+            own, logits = seen[prefix]
+            plain_token, token = reference[at], output[at]
+            margin = float(logits[plain_token] - logits[token])
+            top = torch.topk(logits, 10).indices
+            error = float((own[top] - logits[top]).abs().max())
+            report.update(
+                plain_token=plain_token,
+                token=token,
+                float32_margin=round(margin, 4),
+                dtype_error=round(error, 4),
+                near_tie=abs(margin) <= error,
+            )
+            reports.append(report)
+    return reports
+
+
+def _divergence_summary(episodes: dict[str, dict[str, list[TurnResult]]]) -> dict[str, Any]:
+    """Per method: turns equal to plain, turns differing at a near-tie, and turns differing for
+    another reason (which would be a bug in a lossless method)."""
+    summary: dict[str, Any] = {}
+    for rows in episodes.values():
+        for name, turns in rows.items():
+            if name == "plain":
+                continue
+            counts = summary.setdefault(name, {"equal": 0, "near_tie": 0, "other": 0})
+            for turn in turns:
+                if turn.equal_to_plain:
+                    counts["equal"] += 1
+                elif turn.divergence is not None and turn.divergence.get("near_tie"):
+                    counts["near_tie"] += 1
+                else:
+                    counts["other"] += 1
+    return summary
+
+
 def _run_episode(
-    runtime: SpecRuntime, episode: Episode, method: Method, seed: int
-) -> tuple[list[TurnResult], list[list[int]]]:
-    """The episode's turns, each built on the replies before it, and each turn's output ids."""
+    runtime: SpecRuntime,
+    episode: Episode,
+    method: Method,
+    seed: int,
+    replies: list[str] | None = None,
+) -> tuple[list[TurnResult], list[list[int]], list[list[int]], list[str]]:
+    """The episode's turns, each built on the replies before it (``replies`` where given, the
+    method's own otherwise): each turn's result, output ids, prompt ids and reply text."""
     tokenizer = runtime.tokenizer
     if tokenizer is None:
         raise ValueError("agent episodes are chat conversations: the runtime needs a tokenizer")
     messages = [{"role": "system", "content": episode.system}]
-    turns, outputs = [], []
-    for text in episode.turns:
+    turns: list[TurnResult] = []
+    outputs: list[list[int]] = []
+    prompts: list[list[int]] = []
+    texts: list[str] = []
+    for index, text in enumerate(episode.turns):
         messages.append({"role": "user", "content": text})
         ids = render_prompt(messages, runtime.tokenizer, vocab_size=runtime.vocab_size)
         start = time.perf_counter()
@@ -227,10 +334,12 @@ def _run_episode(
             turn.mean_acceptance_length = round(stats.mean_acceptance_length, 3)
             turn.accepted_by_source = dict(stats.accepted_by_source)
         reply = str(tokenizer.decode(list(tokens), skip_special_tokens=True))
-        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "assistant", "content": replies[index] if replies else reply})
         turns.append(turn)
         outputs.append(list(tokens))
-    return turns, outputs
+        prompts.append(list(ids))
+        texts.append(reply)
+    return turns, outputs, prompts, texts
 
 
 def _median(rounds: list[list[TurnResult]]) -> list[TurnResult]:

@@ -179,6 +179,7 @@ def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
                 assert all(t.equal_to_plain for t in turns), name
     summary = result.summary
     assert summary["all_lossless_equal_to_plain"]
+    assert all(c["other"] == c["near_tie"] == 0 for c in summary["divergences"].values())
     assert summary["speedup_vs_plain"]["plain"]["total"] == 1.0
     assert "specagent_lossless-auto" in summary["speedup_vs_hf_prompt_lookup"]
     assert result.history["tokens"] > 0  # the auto policy kept the tenant's turns
@@ -187,3 +188,49 @@ def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
     json_path, png_path = save_agent_bench(result, tmp_path, "agent")
     assert json_path.exists()
     assert png_path.stat().st_size > 0
+
+
+def test_explain_divergence_tells_a_real_difference_from_a_rounding_tie(target, tokenizer) -> None:
+    import torch
+
+    from specagent.agent_bench import explain_divergence
+
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[PLAIN], device="cpu")
+    prompt = [5, 17, 42, 9]
+    reference = runtime.generate_sync(prompt, policy="plain", max_new_tokens=6).token_ids
+    with torch.inference_mode():
+        logits = target(input_ids=torch.tensor([prompt + reference[:2]])).logits[0, -1]
+    unlikely = int(logits.argmin())
+    wrong = reference[:2] + [unlikely] + reference[3:]
+    shorter = reference[:4]
+    real, stopped = explain_divergence(
+        runtime, [(prompt, reference, wrong), (prompt, reference, shorter)]
+    )
+    runtime.close()
+    # A float32 target has no rounding to blame: the least likely token is a real difference.
+    assert real["at"] == 2
+    assert (real["plain_token"], real["token"]) == (reference[2], unlikely)
+    assert real["float32_margin"] > 0
+    assert real["dtype_error"] == 0.0
+    assert real["near_tie"] is False
+    assert stopped == {"at": 4, "near_tie": False, "lengths": [6, 4]}
+
+
+def test_explain_divergence_blames_rounding_only_within_the_dtypes_error(target, tokenizer) -> None:
+    import copy
+
+    import torch
+
+    from specagent.agent_bench import explain_divergence
+
+    half = copy.deepcopy(target).to(torch.bfloat16)
+    runtime = SpecRuntime(half, tokenizer=tokenizer, policies=[PLAIN], device="cpu")
+    prompt = [5, 17, 42, 9]
+    with torch.inference_mode():  # the reference: the bf16 weights, computed in float32
+        exact = copy.deepcopy(half).float()(input_ids=torch.tensor([prompt])).logits[0, -1]
+    first, second = (int(i) for i in torch.topk(exact, 2).indices)
+    (report,) = explain_divergence(runtime, [(prompt, [first], [second])])
+    runtime.close()
+    assert report["float32_margin"] == pytest.approx(float(exact[first] - exact[second]), abs=1e-3)
+    assert report["dtype_error"] > 0  # bf16 logits are not float32's
+    assert report["near_tie"] == (abs(report["float32_margin"]) <= report["dtype_error"])
