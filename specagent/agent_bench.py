@@ -7,21 +7,22 @@ from document after document. Every method runs every episode as an agent would,
 the other through one runtime, and every method is handed the same conversation: plain greedy's
 replies become the assistant messages later turns build on, so each turn's prompt is the same for
 every method and its output can be compared with plain's (in bf16, where a near-tie can flip,
-one method's diverging reply would otherwise change every later prompt of its episode). Methods: transformers' plain
-greedy ``generate``, prompt lookup and assisted generation, and specagent's policies, all on the
-runtime's model objects (so in one dtype). specagent's calls carry one tenant, and its history is
-cleared before each method's pass, so no method ever sees text from another method or round.
-specagent runs twice when the runtime keeps a prefix cache: paying every turn's whole prefill,
-as the transformers baselines do, and as an agent runs it (``+reuse``: each turn starts from the
-KV the previous turn left, prompt and reply, and prefills only the new message).
+one method's diverging reply would otherwise change every later prompt of its episode).
+Methods: transformers' plain greedy ``generate``, prompt lookup and assisted generation, and
+specagent's policies, all on the runtime's model objects (so in one dtype). specagent's calls
+carry one tenant, and its history is cleared before each method's pass, so no method ever sees
+text from another method or round. specagent runs twice when the runtime keeps a prefix cache:
+paying every turn's whole prefill, as the transformers baselines do, and as an agent runs it
+(``+reuse``: each turn starts from the KV the previous turn left, prompt and reply, and
+prefills only the new message).
 
 Reported per turn and per episode: decode time, tokens, tokens/s, and for specagent acceptance
 and where the accepted tokens came from (history, draft model, grammar); every lossless output is
 compared with plain greedy token for token, and where one differs, ``explain_divergence`` says
 whether the first differing token was a tie within the dtype's rounding (the float32 target's
 margin between the two tokens is below the rounding error of the dtype's own logits) or a real
-difference. Ratios use total decode time over an episode (and
-over all of them), medians of the rounds.
+difference. Ratios use total decode time over an episode (and over all of them), medians of the
+rounds.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_explain_divergence_tells_a_real_difference_from_a_rounding_tie(target, 
     with torch.inference_mode():
         logits = target(input_ids=torch.tensor([prompt + reference[:2]])).logits[0, -1]
     unlikely = int(logits.argmin())
-    wrong = reference[:2] + [unlikely] + reference[3:]
+    wrong = [*reference[:2], unlikely, *reference[3:]]
     shorter = reference[:4]
     real, stopped = explain_divergence(
         runtime, [(prompt, reference, wrong), (prompt, reference, shorter)]
