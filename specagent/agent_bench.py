@@ -19,10 +19,10 @@ prefills only the new message).
 Reported per turn and per episode: decode time, tokens, tokens/s, and for specagent acceptance
 and where the accepted tokens came from (history, draft model, grammar); every lossless output is
 compared with plain greedy token for token, and where one differs, ``explain_divergence`` says
-whether the first differing token was a tie within the dtype's rounding (the float32 target's
-margin between the two tokens is below the rounding error of the dtype's own logits) or a real
-difference. Ratios use total decode time over an episode (and over all of them), medians of the
-rounds.
+whether the first differing token was a tie within the dtype's rounding (the two tokens'
+margin under the target in float32 is within twice the dtype's logit error along plain's path)
+or a real difference, and which of the two tokens float32 prefers. Ratios use total decode time
+over an episode (and over all of them), medians of the rounds.
 """
 
 from __future__ import annotations
@@ -234,17 +234,21 @@ def run_agent_bench(
 def explain_divergence(
     runtime: SpecRuntime, cases: list[tuple[list[int], list[int], list[int]]]
 ) -> list[dict[str, Any]]:
-    """For each ``(prompt, reference, output)``: where ``output`` first differs from
-    ``reference`` and whether that was a tie within rounding.
+    """For each ``(prompt, reference, output)``, ``reference`` being plain greedy's: where
+    ``output`` first differs, and whether that was a tie within rounding.
 
     Greedy decoding in bf16 is not one function: plain decoding feeds one token per forward, a
     verification feeds several, and the sums inside the model are added in another order, so
     where two tokens' logits are nearly equal either can come out on top. The first differing
-    token is judged against the target in float32 (a copy, when the target runs in another
-    dtype): the two tokens' margin there is compared with the dtype's own error at that
-    position (the largest difference between the dtype's and float32's logits over float32's
-    ten likeliest tokens). ``near_tie`` when the margin is within that error; otherwise the
-    outputs differ for a reason rounding cannot explain, and the report says so."""
+    token is judged against the target computed in float32 (a float32 copy of its weights when
+    it runs in another dtype). ``plain_margin`` is the margin of plain's token over the
+    output's along plain's own path (the prompt's prefill, then one token per forward, in the
+    runtime's dtype), ``float32_margin`` the same margin in float32 (negative: float32 prefers
+    the output's token), ``dtype_error`` the largest difference between plain's path and
+    float32 over float32's ten likeliest tokens. Each path's margin is float32's give or take
+    twice its per-logit error, so two paths can choose differently only where
+    ``|float32_margin| <= 2 * dtype_error`` (``near_tie``; the other path's error is taken to be
+    of the same size). Outside that, the difference is not rounding, and the report says so."""
     import copy
 
     import torch
@@ -267,12 +271,14 @@ def explain_divergence(
                 report["lengths"] = [len(reference), len(output)]
                 reports.append(report)
                 continue
-            prefix = tuple(prompt + reference[:at])
-            if prefix not in seen:
-                ids = torch.tensor([prefix], device=runtime.device)
-                own = target(input_ids=ids).logits[0, -1].float()
-                seen[prefix] = (own, exact(input_ids=ids).logits[0, -1].float())
-            own, logits = seen[prefix]
+            key = (len(prompt), *prompt, *reference[:at])
+            if key not in seen:
+                full = torch.tensor([[*prompt, *reference[:at]]], device=runtime.device)
+                seen[key] = (
+                    _plain_path_logits(target, prompt, reference[:at], runtime.device),
+                    exact(input_ids=full).logits[0, -1].float(),
+                )
+            own, logits = seen[key]
             plain_token, token = reference[at], output[at]
             margin = float(logits[plain_token] - logits[token])
             top = torch.topk(logits, 10).indices
@@ -280,12 +286,29 @@ def explain_divergence(
             report.update(
                 plain_token=plain_token,
                 token=token,
+                plain_margin=round(float(own[plain_token] - own[token]), 4),
                 float32_margin=round(margin, 4),
+                float32_prefers="plain" if margin >= 0 else "output",
                 dtype_error=round(error, 4),
-                near_tie=abs(margin) <= error,
+                near_tie=abs(margin) <= 2 * error,
             )
             reports.append(report)
     return reports
+
+
+def _plain_path_logits(model: Any, prompt: list[int], generated: list[int], device: Any) -> Any:
+    """The last logits as plain greedy decoding computes them: the prompt in one forward, then
+    each generated token in a forward of its own over the growing KV cache."""
+    import torch
+    from transformers import DynamicCache
+
+    from .decoding.cache import cache_keyword
+
+    kwargs = {cache_keyword(type(model)): DynamicCache(), "use_cache": True}
+    logits = model(input_ids=torch.tensor([prompt], device=device), **kwargs).logits
+    for token in generated:
+        logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits
+    return logits[0, -1].float()
 
 
 def _divergence_summary(episodes: dict[str, dict[str, list[TurnResult]]]) -> dict[str, Any]:

@@ -43,6 +43,12 @@ def _forward_params(model_type: Any) -> frozenset[str]:
     return frozenset(inspect.signature(model_type.forward).parameters)
 
 
+def cache_keyword(model_type: Any) -> str:
+    """The forward keyword that takes the KV cache: ``cache`` in new transformers releases,
+    ``past_key_values`` in older ones."""
+    return "cache" if "cache" in _forward_params(model_type) else "past_key_values"
+
+
 def crop_to(cache: DynamicCache, length: int) -> None:
     """Drop cached positions beyond ``length`` (a negative crop works on every transformers
     version that has ``DynamicCache.crop``)."""
@@ -85,7 +91,7 @@ class ModelRunner:
         """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
         torch's own). The model object itself is never changed."""
         params = _forward_params(type(model))  # type: ignore[arg-type]
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(type(model))
         self._has_logits_to_keep = "logits_to_keep" in params
         head = model.get_output_embeddings()
         own_vocab = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
@@ -94,8 +100,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self._body = self._decoder_body()
         body = self._body
-        body_params = _forward_params(type(body)) if body is not None else frozenset()  # type: ignore[arg-type]
-        self._base_cache_kw = "cache" if "cache" in body_params else "past_key_values"
+        self._base_cache_kw = cache_keyword(type(body)) if body is not None else "past_key_values"
         self._gather_checked: bool | None = None
         """Whether projecting gathered hidden states equals the model's own logits (checked
         once, on the first batch; None until then)."""
