@@ -9,12 +9,12 @@ replies become the assistant messages later turns build on, so each turn's promp
 every method and its output can be compared with plain's (in bf16, where a near-tie can flip,
 one method's diverging reply would otherwise change every later prompt of its episode).
 Methods: transformers' plain greedy ``generate``, prompt lookup and assisted generation, and
-specagent's policies, all on the runtime's model objects (so in one dtype). specagent's calls
-carry one tenant, and its history is cleared before each method's pass, so no method ever sees
-text from another method or round. specagent runs twice when the runtime keeps a prefix cache:
-paying every turn's whole prefill, as the transformers baselines do, and as an agent runs it
-(``+reuse``: each turn starts from the KV the previous turn left, prompt and reply, and
-prefills only the new message).
+specagent's policies, all on the runtime's model objects (so in one dtype), taking turns per
+episode. Each specagent method calls under a tenant of its own, and the history is cleared every
+round, so no method ever sees text from another method or round. specagent runs twice when the
+runtime keeps a prefix cache: paying every turn's whole prefill, as the transformers baselines
+do, and as an agent runs it (``+reuse``: each turn starts from the KV the previous turn left,
+prompt and reply, and prefills only the new message).
 
 Reported per turn and per episode: decode time, tokens, tokens/s, and for specagent acceptance
 and where the accepted tokens came from (history, draft model, grammar); every lossless output is
@@ -150,8 +150,15 @@ def run_agent_bench(
     draft_name: str | None = None,
     log: Callable[[str], None] = print,
 ) -> AgentBenchResult:
-    """Run every method over every episode, ``repeats`` rounds (methods interleaved per round);
-    the runtime's policies must be ``agent_policies``."""
+    """Run every method over every episode, ``repeats`` rounds; the runtime's policies must be
+    ``agent_policies``.
+
+    Methods take turns per episode (plain first, then each method runs the whole episode), not
+    per round: a machine whose speed drifts over minutes (a shared cloud host) then slows every
+    method's run of an episode alike, where a method that ran its whole pass in a slow spell
+    would otherwise look slower than it is. Each specagent method calls under its own tenant,
+    so its history and prefix cache hold only its own runs; the history is cleared at the start
+    of every round, the prefix cache before every method's run of an episode."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     episodes = episodes if episodes is not None else load_episodes()
@@ -184,32 +191,34 @@ def run_agent_bench(
     passes: dict[str, dict[str, list[list[TurnResult]]]] = {e.id: {} for e in episodes}
     differ: list[tuple[TurnResult, list[int], list[int], list[int]]] = []
     for round_index in range(repeats):
-        plain: dict[str, list[list[int]]] = {}
-        replies: dict[str, list[str]] = {}
-        for name, method in runs.items():  # plain first: the reference
-            if runtime.history is not None:
-                runtime.history.clear()  # nothing carried over from another method or round
-            if runtime.prefix_cache is not None:
-                runtime.prefix_cache.clear()
-            start = time.perf_counter()
-            for episode in episodes:
+        if runtime.history is not None:
+            runtime.history.clear()  # nothing carried over from an earlier round
+        totals = dict.fromkeys(runs, 0.0)
+        for episode in episodes:
+            reference: list[list[int]] = []
+            replies: list[str] | None = None
+            for name, method in runs.items():  # plain first: the reference
+                if runtime.prefix_cache is not None:
+                    runtime.prefix_cache.clear()  # every method starts the episode cold
+                start = time.perf_counter()
                 turns, outputs, ids, texts = _run_episode(
-                    runtime, episode, method, round_index, replies.get(episode.id)
+                    runtime, episode, method, round_index, replies
                 )
+                totals[name] += time.perf_counter() - start
                 if name == "plain":
-                    plain[episode.id], replies[episode.id] = outputs, texts
+                    reference, replies = outputs, texts
                 else:
-                    for turn, prompt, mine, reference in zip(
-                        turns, ids, outputs, plain[episode.id], strict=True
+                    for turn, prompt, mine, theirs in zip(
+                        turns, ids, outputs, reference, strict=True
                     ):
-                        turn.equal_to_plain = mine == reference
-                        if mine != reference:
-                            differ.append((turn, prompt, reference, mine))
+                        turn.equal_to_plain = mine == theirs
+                        if mine != theirs:
+                            differ.append((turn, prompt, theirs, mine))
                 passes[episode.id].setdefault(name, []).append(turns)
-            log(f"round {round_index + 1}: {name} in {time.perf_counter() - start:.0f}s")
-            held = runtime.history.stats() if runtime.history is not None else {}
-            if held.get("tokens", 0) > out.history.get("tokens", 0):
-                out.history = held  # the fullest it got over one method's pass
+        log(f"round {round_index + 1}: " + ", ".join(f"{n} {t:.0f}s" for n, t in totals.items()))
+        held = runtime.history.stats() if runtime.history is not None else {}
+        if held.get("tokens", 0) > out.history.get("tokens", 0):
+            out.history = held  # the fullest it got at the end of a round, over all methods
     for episode_id, by_method in passes.items():
         out.episodes[episode_id] = {name: _median(rounds) for name, rounds in by_method.items()}
     out.summary = _summarise(out.episodes, {e.id: e.kind for e in episodes})
@@ -373,15 +382,16 @@ def _median(rounds: list[list[TurnResult]]) -> list[TurnResult]:
 
 
 def _spec_method(runtime: SpecRuntime, policy: str, max_new_tokens: int, *, reuse: bool) -> Method:
-    """specagent through the public runtime. ``reuse``: as an agent runs it, each turn starting
-    from the KV the previous turn left (prefix cache); without, every turn pays its whole
-    prefill, as the transformers baselines do."""
+    """specagent through the public runtime, under a tenant of its own. ``reuse``: as an agent
+    runs it, each turn starting from the KV the previous turn left (prefix cache); without,
+    every turn pays its whole prefill, as the transformers baselines do."""
+    tenant = f"{TENANT}-{policy}{'+reuse' if reuse else ''}"
 
     def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
         if not reuse and runtime.prefix_cache is not None:
             runtime.prefix_cache.clear()  # between calls: the worker is idle
         result = runtime.generate_sync(
-            ids, policy=policy, max_new_tokens=max_new_tokens, seed=seed, tenant=TENANT
+            ids, policy=policy, max_new_tokens=max_new_tokens, seed=seed, tenant=tenant
         )
         return result.token_ids, result.stats
 
