@@ -22,7 +22,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
-from specagent.agent_bench import _run_episode, explain_divergence, load_episodes
+from specagent.agent_bench import (
+    TurnResult,
+    _divergence_summary,
+    _run_episode,
+    explain_divergence,
+    load_episodes,
+)
 from specagent.bench import baseline_methods
 from specagent.catalog import PAIRS
 from specagent.machine import machine_info
@@ -42,6 +48,7 @@ def main() -> None:
     runtime = SpecRuntime.from_pretrained(target, policies=[PLAIN], dtype=dtype)
     plain = baseline_methods(runtime, result["max_new_tokens"])["plain"]
     episodes = {e.id: e for e in load_episodes()}
+    places, cases = [], []
     for episode_id, rows in result["episodes"].items():
         differing = [
             (name, i, turn["divergence"])
@@ -60,20 +67,17 @@ def main() -> None:
                     f"run, the result recorded {old['plain_token']}: another machine kind or "
                     "library version; rerun the bench instead"
                 )
-            output = [*reference[:at], old["token"]]
-            (new,) = explain_divergence(runtime, [(prompts[i], reference, output)])
-            rows[name][i]["divergence"] = new
-            print(episode_id, name, i, new, flush=True)
-    counts: dict[str, dict[str, int]] = {}
-    for rows in result["episodes"].values():
-        for name, turns in rows.items():
-            if name == "plain":
-                continue
-            tally = counts.setdefault(name, {"equal": 0, "near_tie": 0, "other": 0})
-            for turn in turns:
-                divergence = turn.get("divergence") or {}
-                kind = "equal" if turn["equal_to_plain"] else "other"
-                tally["near_tie" if divergence.get("near_tie") else kind] += 1
+            places.append((rows[name][i], f"{episode_id} {name} turn {i}"))
+            cases.append((prompts[i], reference, [*reference[:at], old["token"]]))
+    for (turn, where), new in zip(places, explain_divergence(runtime, cases), strict=True):
+        turn["divergence"] = new
+        print(where, new, flush=True)
+    counts = _divergence_summary(
+        {
+            e: {m: [TurnResult(**t) for t in turns] for m, turns in rows.items()}
+            for e, rows in result["episodes"].items()
+        }
+    )
     result["summary"]["divergences"] = counts
     explained: dict[str, Any] = {
         "by": "benchmarks/explain_divergences.py",
