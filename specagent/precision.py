@@ -11,12 +11,15 @@ model in each candidate dtype, times it, and keeps the faster:
   to emit at a reference acceptance of 0.8, at the best k of 0, 3 and 7;
 - the **draft** by one single-token forward: it drafts one token per forward, and its dtype never
   touches losslessness (the target's distribution is the reference), so it may run in a lower
-  precision than the target. Its long forwards (the prompt's prefill, catching up after plain
-  steps) are timed too: without native bf16, a bf16 forward costs per row what a float32 one
-  costs per forward (the 0.5B Qwen draft over 400 tokens: 17.8 s in bf16, 4.0 s in float32,
-  while one token takes 0.115 s against 0.261 s). Where float32 is clearly faster from some
-  length on, the choice says so (``prefill_dtype``, ``prefill_from``) and the loader keeps a
-  float32 copy of the draft for those forwards (``decoding.cache.PrefillTwin``).
+  precision than the target. Its long forwards (the prompt's prefill, catching up on what it
+  did not draft) are timed too. Where single tokens cost about the same, they decide: on a
+  2-core Xeon with AMX the Qwen 0.5B draft takes the same for one token in either dtype and
+  half as long over 64 in bf16, so it runs in bf16. Where one dtype wins the single token and
+  the other is clearly faster from some length on, the choice says so (``prefill_dtype``,
+  ``prefill_from``) and the loader keeps a copy of the draft in that dtype for those forwards
+  (``decoding.cache.PrefillTwin``): without native bf16, a bf16 forward costs per row what a
+  float32 one costs per forward (the same draft over 400 tokens: 17.8 s in bf16, 4.0 s in
+  float32, while one token takes 0.115 s against 0.261 s).
 
 float32 is kept unless bf16 is clearly (``MARGIN``) faster: its outputs are the reference most
 users expect. "Lossless" always means exact with respect to the target *as run*: a bf16 target's
@@ -116,7 +119,9 @@ def choose_dtype(
         return load(torch.float32), DtypeChoice(torch.float32, f"{device.type}: float32")
     # Drafts' v2: the decision also covers the prefill dtype. v3 (both roles): the transposed
     # kernels feed a single row as two, which changes what a single-token forward costs.
-    entry = f"dtype-v3:{role}:{key}"
+    # v4 (drafts): the long forwards decide where single tokens cost about the same, and the
+    # twin for long forwards may be of either dtype.
+    entry = f"dtype-v3:{role}:{key}" if role == "target" else f"dtype-v4:{role}:{key}"
     stored = store.get(entry) if store is not None else None
     if isinstance(stored, dict) and stored.get("dtype") in ("float32", "bfloat16"):
         kept = DtypeChoice.from_json(
@@ -128,20 +133,8 @@ def choose_dtype(
     seconds = {"float32": _time(full, lengths)}
     low = load(torch.bfloat16)
     seconds["bfloat16"] = _time(low, lengths)
-    score = {
-        name: speculative_cost_per_token(s) if role == "target" else s[1]
-        for name, s in seconds.items()
-    }
-    measure = "s per token at acceptance 0.8" if role == "target" else "s per draft forward"
-    figures = f"bf16 {score['bfloat16']:.3f} vs float32 {score['float32']:.3f} {measure}"
-    if score["bfloat16"] < MARGIN * score["float32"]:
-        choice = DtypeChoice(torch.bfloat16, f"bf16 is faster here: {figures}", seconds)
-        chosen = low
-        if role == "draft":
-            choice = _with_prefill_dtype(choice)
-    else:
-        choice = DtypeChoice(torch.float32, f"bf16 is not clearly faster here: {figures}", seconds)
-        chosen = full
+    choice = _target_choice(seconds) if role == "target" else _draft_choice(seconds)
+    chosen = low if choice.dtype == torch.bfloat16 else full
     del full, low
     gc.collect()
     if store is not None:
@@ -149,19 +142,62 @@ def choose_dtype(
     return chosen, choice
 
 
+def _target_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
+    """bf16 where it is clearly cheaper per token of speculation, else float32."""
+    score = {name: speculative_cost_per_token(s) for name, s in seconds.items()}
+    figures = f"bf16 {score['bfloat16']:.3f} vs float32 {score['float32']:.3f}"
+    figures += " s per token at acceptance 0.8"
+    if score["bfloat16"] < MARGIN * score["float32"]:
+        return DtypeChoice(torch.bfloat16, f"bf16 is faster here: {figures}", seconds)
+    return DtypeChoice(torch.float32, f"bf16 is not clearly faster here: {figures}", seconds)
+
+
+def _draft_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
+    """The dtype clearly cheaper per draft token (one single-token forward); where the two
+    cost about the same, bf16 if it is clearly cheaper on long forwards (the prompt's
+    prefill, catching up on text drafted from history: on a 2-core Xeon with AMX, the Qwen
+    0.5B draft's single token took 0.161 s in bf16 and 0.150 s in float32, 64 tokens 0.317 s
+    and 0.653 s), else float32. Long forwards run in the other dtype from the shortest timed
+    length on where it is clearly faster there (``PrefillTwin``)."""
+    low, full = seconds["bfloat16"], seconds["float32"]
+    figures = f"bf16 {low[1]:.3f} vs float32 {full[1]:.3f} s per draft forward"
+    if low[1] < MARGIN * full[1]:
+        choice = DtypeChoice(torch.bfloat16, f"bf16 is faster here: {figures}", seconds)
+    elif full[1] < MARGIN * low[1]:
+        choice = DtypeChoice(torch.float32, f"float32 is faster here: {figures}", seconds)
+    else:
+        longest = max(n for n in low if n in full)
+        long_figures = f"bf16 {low[longest]:.3f} vs float32 {full[longest]:.3f} s"
+        if low[longest] < MARGIN * full[longest]:
+            reason = (
+                f"single tokens cost about the same ({figures}); bf16 is faster over "
+                f"{longest} tokens ({long_figures})"
+            )
+            choice = DtypeChoice(torch.bfloat16, reason, seconds)
+        else:
+            reason = f"bf16 is not clearly faster here: {figures}; over {longest} tokens "
+            choice = DtypeChoice(torch.float32, reason + long_figures, seconds)
+    return _with_prefill_dtype(choice)
+
+
 def _with_prefill_dtype(choice: DtypeChoice) -> DtypeChoice:
-    """A bf16 draft whose long forwards measured clearly faster in float32: from the shortest
-    such timed length on, they run in float32."""
-    low, full = choice.seconds["bfloat16"], choice.seconds["float32"]
-    faster = [n for n in sorted(low) if n > 1 and n in full and full[n] < MARGIN * low[n]]
+    """A draft whose long forwards measured clearly faster in the other dtype: from the
+    shortest such timed length on, they run in that dtype."""
+    other = torch.float32 if choice.dtype == torch.bfloat16 else torch.bfloat16
+    mine = choice.seconds[_NAMES[choice.dtype]]
+    theirs = choice.seconds[_NAMES[other]]
+    faster = [n for n in sorted(mine) if n > 1 and n in theirs and theirs[n] < MARGIN * mine[n]]
     if not faster:
         return choice
     n = faster[0]
     reason = (
-        f"{choice.reason}; forwards over {n}+ tokens run in float32 "
-        f"({full[n]:.3f} s vs bf16 {low[n]:.3f} s over {n} tokens)"
+        f"{choice.reason}; forwards over {n}+ tokens run in {_NAMES[other]} "
+        f"({theirs[n]:.3f} s vs {mine[n]:.3f} s over {n} tokens)"
     )
-    return dataclasses.replace(choice, reason=reason, prefill_dtype=torch.float32, prefill_from=n)
+    return dataclasses.replace(choice, reason=reason, prefill_dtype=other, prefill_from=n)
+
+
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def _time(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:

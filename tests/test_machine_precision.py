@@ -116,6 +116,38 @@ def test_float32_is_kept_unless_bf16_is_clearly_faster(tmp_path: Path, monkeypat
     assert choice.to_json()["dtype"] == "bfloat16"
 
 
+def test_a_draft_tied_on_single_tokens_takes_the_dtype_faster_on_long_forwards(
+    monkeypatch,
+) -> None:
+    """As measured on a 2-core Xeon with AMX: one token costs the same in either dtype, 64
+    cost half as much in bf16; the draft catches up on long stretches, so bf16 it is. Where
+    float32 clearly wins the single token, it stays, with a bf16 copy for long forwards."""
+    import specagent.precision as precision
+
+    def amx(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
+        low = next(model.parameters()).dtype == torch.bfloat16
+        table = {1: 0.161, 16: 0.160, 64: 0.317} if low else {1: 0.150, 16: 0.284, 64: 0.653}
+        return {n: table[n] for n in lengths}
+
+    monkeypatch.setattr(precision, "_time", amx)
+    load = lambda dtype: make_model(64).to(dtype)  # noqa: E731
+    _, choice = choose_dtype(load, "draft", torch.device("cpu"), key="amx")
+    assert choice.dtype == torch.bfloat16
+    assert choice.prefill_dtype is None  # bf16 is the faster one on long forwards already
+    assert "over 64 tokens" in choice.reason
+
+    def single_float32(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
+        low = next(model.parameters()).dtype == torch.bfloat16
+        table = {1: 0.30, 16: 0.30, 64: 0.5} if low else {1: 0.15, 16: 0.6, 64: 1.2}
+        return {n: table[n] for n in lengths}
+
+    monkeypatch.setattr(precision, "_time", single_float32)
+    _, choice = choose_dtype(load, "draft", torch.device("cpu"), key="f32")
+    assert choice.dtype == torch.float32
+    assert (choice.prefill_dtype, choice.prefill_from) == (torch.bfloat16, 16)
+    assert "run in bfloat16" in choice.reason
+
+
 def test_runtime_reuses_costs_and_kernels_measured_on_this_machine(
     target, draft, tokenizer, tmp_path: Path, monkeypatch
 ) -> None:
