@@ -26,7 +26,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
 from specagent.agent_bench import _run_episode, _spec_method, agent_policies, load_episodes
+from specagent.bench import dtypes_of
 from specagent.catalog import PAIRS
 from specagent.decoding.cache import PrefixCache
 from specagent.decoding.costs import CostModel
@@ -77,7 +78,7 @@ def record(path: Path, max_new_tokens: int) -> None:
         "draft": draft,
         "max_new_tokens": max_new_tokens,
         "eos_token_ids": list(runtime.eos_token_ids),
-        "precision": {k: str(v) for k, v in runtime.precision.items()},
+        "precision": dtypes_of(runtime),
         "machine": machine_info(),
         "seconds": round(time.perf_counter() - started, 1),
         "episodes": episodes,
@@ -287,12 +288,16 @@ def earliest_continuation(context: Sequence[int], limit: int, ngram: int) -> lis
     return []
 
 
-def replay(path: Path, variants: dict[str, Callable[[], None]] | None = None) -> None:
+def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
     traces = json.loads(path.read_text())
     policies = agent_policies(True)
     plain = Policy(name="plain", description="replay", mode="lossless", drafter={"kind": "none"})
     runtime = SpecRuntime.from_pretrained(
-        traces["target"], traces["draft"], policies=[*policies, plain], prefix_cache_tokens=65536
+        traces["target"],
+        traces["draft"],
+        policies=[*policies, plain],
+        prefix_cache_tokens=65536,
+        draft_dtype=draft_dtype,
     )
     runtime.wait_measured(timeout=3600)
     verify = runtime._engine.costs.measured(None)
@@ -301,10 +306,27 @@ def replay(path: Path, variants: dict[str, Callable[[], None]] | None = None) ->
         started = time.perf_counter()
         results[policy.name] = replay_specagent(runtime, policy, traces)
         print(f"replayed {policy.name} in {time.perf_counter() - started:.0f}s", flush=True)
-    report(results)
+    totals = report(results)
+    if out is not None:
+        draft = runtime._engine.draft_runner
+        data = {
+            "traces": str(path),
+            "machine": machine_info(),
+            "precision": dtypes_of(runtime),
+            "costs": dataclasses.asdict(runtime._engine.costs.measured(draft)),
+            "total_units": totals,
+            "episodes": {
+                name: {e: [dataclasses.asdict(r) for r in rows] for e, rows in by_episode.items()}
+                for name, by_episode in results.items()
+            },
+        }
+        out.write_text(json.dumps(data, indent=1))
+        print(f"wrote {out}")
 
 
-def report(results: dict[str, dict[str, list[Replayed]]]) -> None:
+def report(results: dict[str, dict[str, list[Replayed]]]) -> dict[str, float]:
+    """Print each method's cost per episode and in total (and against plain); returns the
+    totals."""
     plain = results["plain"]
     base = {e: sum(r.units for r in rows) for e, rows in plain.items()}
     names = list(results)
@@ -331,6 +353,7 @@ def report(results: dict[str, dict[str, list[Replayed]]]) -> None:
             f"{name}: target {merged.target_units:.1f} units in {merged.target_forwards} forwards, "
             f"draft {merged.draft_units:.1f} in {merged.draft_forwards}, accepted {merged.accepted}"
         )
+    return {name: round(units, 2) for name, units in totals.items()}
 
 
 def main() -> None:
@@ -338,11 +361,13 @@ def main() -> None:
     parser.add_argument("mode", choices=["record", "replay"])
     parser.add_argument("traces", type=Path)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, help="replay: write the result as JSON here")
+    parser.add_argument("--draft-dtype", default="auto")
     args = parser.parse_args()
     if args.mode == "record":
         record(args.traces, args.max_new_tokens)
     else:
-        replay(args.traces)
+        replay(args.traces, args.out, args.draft_dtype)
 
 
 if __name__ == "__main__":
