@@ -130,6 +130,8 @@ class OracleTarget:
 
 @dataclasses.dataclass
 class Replayed:
+    """One turn's (or a sum of turns') forwards and their cost in single-token target steps."""
+
     target_units: float = 0.0
     draft_units: float = 0.0
     target_forwards: int = 0
@@ -152,6 +154,8 @@ class Replayed:
 
 
 def draft_forward_cost(costs: CostModel, width: int) -> float:
+    """A draft forward over ``width`` tokens: the measured curve, past it the catch-up slope
+    (as ``catch_up_pays`` prices it)."""
     if width <= len(costs.draft):
         return costs.draft_cost(width)
     return costs.draft_step + costs.catch_up_cost(width - 1)
@@ -289,6 +293,7 @@ def earliest_continuation(context: Sequence[int], limit: int, ngram: int) -> lis
 
 
 def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
+    """Replay plain, prompt lookup and the agent bench's policies over the recorded traces."""
     traces = json.loads(path.read_text())
     policies = agent_policies(True)
     plain = Policy(name="plain", description="replay", mode="lossless", drafter={"kind": "none"})

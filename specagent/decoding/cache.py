@@ -61,9 +61,10 @@ def crop_to(cache: DynamicCache, length: int) -> None:
 class PrefillTwin:
     """A copy of a runner's model in another dtype, for its forwards over ``from_rows`` tokens
     or more: on a CPU without native bf16, a bf16 draft decodes single tokens faster than in
-    float32 but prefills a prompt several times slower (``precision``). Its KV is cast into
-    the runner's own cache, so every later forward continues in the model's dtype. Only for a
-    draft: a draft's numbers never touch losslessness, a target's define it."""
+    float32 but prefills a prompt several times slower; with AMX, a float32 draft's single
+    tokens can cost what bf16's do while its long forwards cost twice as much (``precision``).
+    Its KV is cast into the runner's own cache, so every later forward continues in the model's
+    dtype. Only for a draft: a draft's numbers never touch losslessness, a target's define it."""
 
     model: PreTrainedModel
     from_rows: int
