@@ -75,12 +75,12 @@ class DtypeChoice:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": _dtype_name(self.dtype),
             "reason": self.reason,
             "seconds": {d: {str(n): t for n, t in s.items()} for d, s in self.seconds.items()},
         }
         if self.prefill_dtype is not None:
-            out["prefill_dtype"] = str(self.prefill_dtype).removeprefix("torch.")
+            out["prefill_dtype"] = _dtype_name(self.prefill_dtype)
             out["prefill_from"] = self.prefill_from
         return out
 
@@ -184,20 +184,22 @@ def _with_prefill_dtype(choice: DtypeChoice) -> DtypeChoice:
     """A draft whose long forwards measured clearly faster in the other dtype: from the
     shortest such timed length on, they run in that dtype."""
     other = torch.float32 if choice.dtype == torch.bfloat16 else torch.bfloat16
-    mine = choice.seconds[_NAMES[choice.dtype]]
-    theirs = choice.seconds[_NAMES[other]]
+    mine = choice.seconds[_dtype_name(choice.dtype)]
+    theirs = choice.seconds[_dtype_name(other)]
     faster = [n for n in sorted(mine) if n > 1 and n in theirs and theirs[n] < MARGIN * mine[n]]
     if not faster:
         return choice
     n = faster[0]
     reason = (
-        f"{choice.reason}; forwards over {n}+ tokens run in {_NAMES[other]} "
+        f"{choice.reason}; forwards over {n}+ tokens run in {_dtype_name(other)} "
         f"({theirs[n]:.3f} s vs {mine[n]:.3f} s over {n} tokens)"
     )
     return dataclasses.replace(choice, reason=reason, prefill_dtype=other, prefill_from=n)
 
 
-_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` / ``bfloat16``: how choices name a dtype (in ``seconds`` and in JSON)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _time(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
