@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .decoding.quantized import has_int8_weights
+
 __all__ = ["ProbeStore", "config_key", "machine_info", "model_key"]
 
 _ISA_FLAGS = (
@@ -111,9 +113,12 @@ def config_key(config: Any, *parts: object) -> str:
 
 
 def model_key(model: torch.nn.Module, *parts: object) -> str:
-    """``config_key`` of a loaded model, with its dtype and device."""
+    """``config_key`` of a loaded model, with its dtype and device (and whether its linears
+    hold int8 weights: a draft's may, ``decoding.quantized``, at the same parameter dtype)."""
     config = getattr(model, "config", None) or {"type": type(model).__name__}
     param = next(model.parameters())
+    if has_int8_weights(model):
+        parts = ("int8-weights", *parts)
     return config_key(config, str(param.dtype), param.device.type, *parts)
 
 

@@ -19,7 +19,10 @@ model in each candidate dtype, times it, and keeps the faster:
   ``prefill_from``) and the loader keeps a copy of the draft in that dtype for those forwards
   (``decoding.cache.PrefillTwin``): without native bf16, a bf16 forward costs per row what a
   float32 one costs per forward (the same draft over 400 tokens: 17.8 s in bf16, 4.0 s in
-  float32, while one token takes 0.115 s against 0.261 s).
+  float32, while one token takes 0.115 s against 0.261 s). Where the CPU has the kernel, the
+  draft is also timed with int8 weights and bf16 activations (``decoding.quantized``): a
+  single-token forward streams every weight from memory, and int8 halves bf16's bytes (on the
+  AMX Xeon 0.08 s against 0.17 s). It is kept only where clearly cheaper than both.
 
 float32 is kept unless bf16 is clearly (``MARGIN``) faster: its outputs are the reference most
 users expect. "Lossless" always means exact with respect to the target *as run*: a bf16 target's
@@ -43,6 +46,7 @@ import torch
 from .decoding.cache import ModelRunner
 from .decoding.costs import expected_tokens, forward_timer
 from .decoding.kernels import choose_kernels
+from .decoding.quantized import int8_supported, quantize_linears
 from .machine import ProbeStore
 
 __all__ = ["DtypeChoice", "choose_dtype"]
@@ -51,6 +55,9 @@ CANDIDATES = (torch.float32, torch.bfloat16)
 """float16 is left out of ``auto``: some checkpoints overflow in it; name it to use it."""
 MARGIN = 0.9
 """bf16 is chosen only where it costs less than this share of float32's time."""
+INT8 = "int8"
+"""A draft's third candidate where the CPU has the kernel: int8 weights, bf16 activations
+(``decoding.quantized``)."""
 REFERENCE_ACCEPTANCE = 0.8
 TARGET_LENGTHS = (1, 4, 8)
 """Forward lengths timed for a target: plain decoding, and verifications of 3 and 7 drafts."""
@@ -72,6 +79,14 @@ class DtypeChoice:
     """A draft's: the dtype its forwards over ``prefill_from`` tokens or more run in, where it
     measured clearly faster on them than ``dtype`` (None: every forward in ``dtype``)."""
     prefill_from: int | None = None
+    int8_weights: bool = False
+    """A draft's: its linears hold int8 weights (``decoding.quantized``), with activations in
+    ``dtype`` (bf16)."""
+
+    @property
+    def variant(self) -> str:
+        """How ``seconds`` names what was chosen: ``float32``, ``bfloat16`` or ``int8``."""
+        return INT8 if self.int8_weights else _dtype_name(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -79,6 +94,8 @@ class DtypeChoice:
             "reason": self.reason,
             "seconds": {d: {str(n): t for n, t in s.items()} for d, s in self.seconds.items()},
         }
+        if self.int8_weights:
+            out["weights"] = INT8
         if self.prefill_dtype is not None:
             out["prefill_dtype"] = _dtype_name(self.prefill_dtype)
             out["prefill_from"] = self.prefill_from
@@ -93,6 +110,7 @@ class DtypeChoice:
             {d: {int(n): t for n, t in s.items()} for d, s in stored["seconds"].items()},
             getattr(torch, prefill) if prefill in ("float32", "bfloat16") else None,
             stored.get("prefill_from") if prefill else None,
+            stored.get("weights") == INT8,
         )
 
 
@@ -120,26 +138,40 @@ def choose_dtype(
     # Drafts' v2: the decision also covers the prefill dtype. v3 (both roles): the transposed
     # kernels feed a single row as two, which changes what a single-token forward costs.
     # v4 (drafts): the long forwards decide where single tokens cost about the same, and the
-    # twin for long forwards may be of either dtype.
-    entry = f"dtype-v3:{role}:{key}" if role == "target" else f"dtype-v4:{role}:{key}"
+    # twin for long forwards may be of either dtype. v5 (drafts): int8 weights are a candidate.
+    entry = f"dtype-v3:{role}:{key}" if role == "target" else f"dtype-v5:{role}:{key}"
     stored = store.get(entry) if store is not None else None
     if isinstance(stored, dict) and stored.get("dtype") in ("float32", "bfloat16"):
         kept = DtypeChoice.from_json(
             stored, f"{stored['reason']} (measured earlier on this machine)"
         )
-        return load(kept.dtype), kept
+        # int8 kept by a torch build with the kernel, read by one without: measure again.
+        if not kept.int8_weights or int8_supported(device):
+            return _load_choice(load, kept), kept
     lengths = TARGET_LENGTHS if role == "target" else DRAFT_LENGTHS
     full = load(torch.float32)
     seconds = {"float32": _time(full, lengths)}
     low = load(torch.bfloat16)
     seconds["bfloat16"] = _time(low, lengths)
+    if role == "draft" and int8_supported(device):
+        # Quantizes a copy, so the bf16 model stays as loaded should it be chosen.
+        seconds[INT8] = _time(quantize_linears(load(torch.bfloat16)), lengths)
+        gc.collect()
     choice = _target_choice(seconds) if role == "target" else _draft_choice(seconds)
-    chosen = low if choice.dtype == torch.bfloat16 else full
+    if choice.int8_weights:
+        chosen = quantize_linears(low)
+    else:
+        chosen = low if choice.dtype == torch.bfloat16 else full
     del full, low
     gc.collect()
     if store is not None:
         store.put(entry, choice.to_json())
     return chosen, choice
+
+
+def _load_choice(load: Callable[[torch.dtype], torch.nn.Module], choice: DtypeChoice) -> Any:
+    model = load(choice.dtype)
+    return quantize_linears(model) if choice.int8_weights else model
 
 
 def _target_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
@@ -153,48 +185,67 @@ def _target_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
 
 
 def _draft_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
-    """The dtype clearly cheaper per draft token (one single-token forward); where the two
-    cost about the same, bf16 if it is clearly cheaper on long forwards (the prompt's
-    prefill, catching up on text drafted from history: on a 2-core Xeon with AMX, the Qwen
-    0.5B draft's single token took 0.161 s in bf16 and 0.150 s in float32, 64 tokens 0.317 s
-    and 0.653 s), else float32. Long forwards run in the other dtype from the shortest timed
-    length on where it is clearly faster there (``PrefillTwin``)."""
-    low, full = seconds["bfloat16"], seconds["float32"]
-    figures = f"bf16 {low[1]:.3f} vs float32 {full[1]:.3f} s per draft forward"
-    if low[1] < MARGIN * full[1]:
-        choice = DtypeChoice(torch.bfloat16, f"bf16 is faster here: {figures}", seconds)
-    elif full[1] < MARGIN * low[1]:
-        choice = DtypeChoice(torch.float32, f"float32 is faster here: {figures}", seconds)
-    else:
-        longest = max(n for n in low if n in full)
-        long_figures = f"bf16 {low[longest]:.3f} vs float32 {full[longest]:.3f} s"
-        if low[longest] < MARGIN * full[longest]:
-            reason = (
-                f"single tokens cost about the same ({figures}); bf16 is faster over "
-                f"{longest} tokens ({long_figures})"
-            )
-            choice = DtypeChoice(torch.bfloat16, reason, seconds)
-        else:
-            reason = f"bf16 is not clearly faster here: {figures}; over {longest} tokens "
-            choice = DtypeChoice(torch.float32, reason + long_figures, seconds)
+    """int8 weights where they are clearly cheaper per draft token (one single-token forward)
+    than both full-precision dtypes; else the full-precision dtype clearly cheaper per draft
+    token; where those two cost about the same, bf16 if it is clearly cheaper on long forwards
+    (the prompt's prefill, catching up on text drafted from history: on a 2-core Xeon with AMX,
+    the Qwen 0.5B draft's single token took 0.161 s in bf16 and 0.150 s in float32, 64 tokens
+    0.317 s and 0.653 s), else float32. Long forwards run in a full-precision dtype from the
+    shortest timed length on where it is clearly faster there (``PrefillTwin``)."""
+    choice = _full_precision_draft_choice(seconds)
+    int8 = seconds.get(INT8)
+    best_full = min(seconds["bfloat16"][1], seconds["float32"][1])
+    if int8 is not None and int8[1] < MARGIN * best_full:
+        reason = (
+            f"int8 weights are faster here: {int8[1]:.3f} s per draft forward against "
+            f"bf16 {seconds['bfloat16'][1]:.3f} and float32 {seconds['float32'][1]:.3f} s"
+        )
+        choice = DtypeChoice(torch.bfloat16, reason, seconds, int8_weights=True)
     return _with_prefill_dtype(choice)
 
 
+def _full_precision_draft_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
+    low, full = seconds["bfloat16"], seconds["float32"]
+    figures = f"bf16 {low[1]:.3f} vs float32 {full[1]:.3f} s per draft forward"
+    if low[1] < MARGIN * full[1]:
+        return DtypeChoice(torch.bfloat16, f"bf16 is faster here: {figures}", seconds)
+    if full[1] < MARGIN * low[1]:
+        return DtypeChoice(torch.float32, f"float32 is faster here: {figures}", seconds)
+    longest = max(n for n in low if n in full)
+    long_figures = f"bf16 {low[longest]:.3f} vs float32 {full[longest]:.3f} s"
+    if low[longest] < MARGIN * full[longest]:
+        reason = (
+            f"single tokens cost about the same ({figures}); bf16 is faster over "
+            f"{longest} tokens ({long_figures})"
+        )
+        return DtypeChoice(torch.bfloat16, reason, seconds)
+    reason = f"bf16 is not clearly faster here: {figures}; over {longest} tokens "
+    return DtypeChoice(torch.float32, reason + long_figures, seconds)
+
+
 def _with_prefill_dtype(choice: DtypeChoice) -> DtypeChoice:
-    """A draft whose long forwards measured clearly faster in the other dtype: from the
-    shortest such timed length on, they run in that dtype."""
-    other = torch.float32 if choice.dtype == torch.bfloat16 else torch.bfloat16
-    mine = choice.seconds[_dtype_name(choice.dtype)]
-    theirs = choice.seconds[_dtype_name(other)]
-    faster = [n for n in sorted(mine) if n > 1 and n in theirs and theirs[n] < MARGIN * mine[n]]
-    if not faster:
-        return choice
-    n = faster[0]
-    reason = (
-        f"{choice.reason}; forwards over {n}+ tokens run in {_dtype_name(other)} "
-        f"({theirs[n]:.3f} s vs {mine[n]:.3f} s over {n} tokens)"
-    )
-    return dataclasses.replace(choice, reason=reason, prefill_dtype=other, prefill_from=n)
+    """A draft whose long forwards measured clearly faster in a full-precision dtype other
+    than its own: from the shortest such timed length on, they run in the fastest of those
+    there. (int8 weights are never the twin: their kernel's cost grows with every row.)"""
+    mine = choice.seconds[choice.variant]
+    others = {
+        name: choice.seconds[name]
+        for name in ("float32", "bfloat16")
+        if name != choice.variant and name in choice.seconds
+    }
+    for n in sorted(mine):
+        faster = {
+            name: s[n] for name, s in others.items() if n > 1 and n in s and s[n] < MARGIN * mine[n]
+        }
+        if faster:
+            name = min(faster, key=faster.__getitem__)
+            reason = (
+                f"{choice.reason}; forwards over {n}+ tokens run in {name} "
+                f"({faster[name]:.3f} s vs {mine[n]:.3f} s over {n} tokens)"
+            )
+            twin = getattr(torch, name)
+            return dataclasses.replace(choice, reason=reason, prefill_dtype=twin, prefill_from=n)
+    return choice
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

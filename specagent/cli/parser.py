@@ -119,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--draft-dtype",
         default=None,
-        choices=DTYPES,
-        help="draft dtype, for specagent and assisted generation alike (default: --dtype)",
+        choices=[*DTYPES, "int8"],
+        help="draft dtype, for specagent and assisted generation alike (default: --dtype; "
+        "int8: int8 weights with bf16 activations)",
     )
     bench.add_argument(
         "--methods",

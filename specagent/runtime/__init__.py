@@ -164,7 +164,8 @@ class SpecRuntime:
 
         ``dtype="auto"`` measures which dtype runs fastest here (``specagent.precision``; bf16
         on CUDA); ``draft_dtype`` likewise for the draft, which may run in a lower precision than
-        the target without touching losslessness. What was chosen and why is in
+        the target without touching losslessness (``"auto"`` also times it with int8 weights,
+        ``decoding.quantized``; ``"int8"`` asks for those). What was chosen and why is in
         ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
         in the cache directory."""
         loaded = load_pair(target, draft, device, dtype, draft_dtype, trust_remote_code)

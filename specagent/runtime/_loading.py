@@ -3,6 +3,7 @@ that runs fastest here (``specagent.precision``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,9 +11,11 @@ import torch
 
 from ..catalog import cache_dir, resolve_model
 from ..decoding.cache import PrefillTwin
+from ..decoding.quantized import int8_supported, quantize_linears
+from ..errors import ModelLoadError
 from ..machine import ProbeStore, config_key
 from ..models import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype
-from ..precision import DtypeChoice, Role, choose_dtype
+from ..precision import INT8, DtypeChoice, Role, choose_dtype
 
 __all__ = ["Loaded", "load_pair"]
 
@@ -30,7 +33,8 @@ class Loaded:
     precision: dict[str, Any] = field(default_factory=dict)
     """Per role: the dtype chosen and why (``DtypeChoice.to_json``)."""
     draft_prefill: PrefillTwin | None = None
-    """A float32 copy of a bf16 draft for its long forwards, where they measured faster so."""
+    """A full-precision copy of the draft for its long forwards, where they measured faster so
+    (``precision``)."""
 
 
 def load_pair(
@@ -54,6 +58,8 @@ def load_pair(
         def load(dt: torch.dtype) -> torch.nn.Module:
             return load_model(source, device=dev, dtype=dt, trust_remote_code=trust_remote_code)
 
+        if wanted == INT8:
+            return _int8_draft(load, role, dev, precision)
         if wanted != "auto":
             dt = resolve_dtype(wanted, dev)
             precision[role] = DtypeChoice(dt, "asked for").to_json()
@@ -83,3 +89,28 @@ def load_pair(
         precision,
         twins.get("draft"),
     )
+
+
+def _int8_draft(
+    load: Callable[[torch.dtype], torch.nn.Module],
+    role: Role,
+    device: torch.device,
+    precision: dict[str, Any],
+) -> torch.nn.Module:
+    """A draft asked for with int8 weights (``draft_dtype="int8"``): bf16 activations, every
+    forward in it (no full-precision twin: asking for int8 is asking to save the memory)."""
+    if role != "draft":
+        msg = (
+            "dtype 'int8' is for a draft only (draft_dtype='int8'): the target defines what "
+            "lossless decoding reproduces, and quantizing it would change its outputs"
+        )
+        raise ModelLoadError(msg)
+    if not int8_supported(device):
+        msg = (
+            f"draft_dtype='int8' needs torch's weight-only int8 kernel "
+            f"(torch._weight_int8pack_mm) on {device}, which torch {torch.__version__} lacks; "
+            "use 'auto', 'bfloat16' or 'float32'"
+        )
+        raise ModelLoadError(msg)
+    precision[role] = DtypeChoice(torch.bfloat16, "asked for", int8_weights=True).to_json()
+    return quantize_linears(load(torch.bfloat16))
