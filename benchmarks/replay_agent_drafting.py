@@ -367,7 +367,12 @@ def main() -> None:
     parser.add_argument("traces", type=Path)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, help="replay: write the result as JSON here")
-    parser.add_argument("--draft-dtype", default="auto")
+    parser.add_argument(
+        "--draft-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "int8"],
+        help="the draft's dtype (auto: as the runtime measures it here; int8: int8 weights)",
+    )
     args = parser.parse_args()
     if args.mode == "record":
         record(args.traces, args.max_new_tokens)
