@@ -149,20 +149,17 @@ def choose_dtype(
         if not kept.int8_weights or int8_supported(device):
             return _load_choice(load, kept), kept
     lengths = TARGET_LENGTHS if role == "target" else DRAFT_LENGTHS
-    full = load(torch.float32)
-    seconds = {"float32": _time(full, lengths)}
-    low = load(torch.bfloat16)
-    seconds["bfloat16"] = _time(low, lengths)
+    candidates = {"float32": lambda: load(torch.float32), "bfloat16": lambda: load(torch.bfloat16)}
     if role == "draft" and int8_supported(device):
-        # Quantizes a copy, so the bf16 model stays as loaded should it be chosen.
-        seconds[INT8] = _time(quantize_linears(load(torch.bfloat16)), lengths)
-        gc.collect()
+        candidates[INT8] = lambda: quantize_linears(load(torch.bfloat16))
+    models: dict[str, torch.nn.Module] = {}
+    seconds: dict[str, dict[int, float]] = {}
+    for name, make in candidates.items():
+        models[name] = make()
+        seconds[name] = _time(models[name], lengths)
     choice = _target_choice(seconds) if role == "target" else _draft_choice(seconds)
-    if choice.int8_weights:
-        chosen = quantize_linears(low)
-    else:
-        chosen = low if choice.dtype == torch.bfloat16 else full
-    del full, low
+    chosen = models.pop(choice.variant)
+    models.clear()
     gc.collect()
     if store is not None:
         store.put(entry, choice.to_json())
@@ -233,10 +230,8 @@ def _with_prefill_dtype(choice: DtypeChoice) -> DtypeChoice:
         for name in ("float32", "bfloat16")
         if name != choice.variant and name in choice.seconds
     }
-    for n in sorted(mine):
-        faster = {
-            name: s[n] for name, s in others.items() if n > 1 and n in s and s[n] < MARGIN * mine[n]
-        }
+    for n in sorted(length for length in mine if length > 1):
+        faster = {name: s[n] for name, s in others.items() if n in s and s[n] < MARGIN * mine[n]}
         if faster:
             name = min(faster, key=faster.__getitem__)
             reason = (
