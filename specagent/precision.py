@@ -49,7 +49,7 @@ from .decoding.kernels import choose_kernels
 from .decoding.quantized import int8_supported, quantize_linears
 from .machine import ProbeStore
 
-__all__ = ["DtypeChoice", "choose_dtype"]
+__all__ = ["DtypeChoice", "choose_dtype", "load_as"]
 
 CANDIDATES = (torch.float32, torch.bfloat16)
 """float16 is left out of ``auto``: some checkpoints overflow in it; name it to use it."""
@@ -147,15 +147,15 @@ def choose_dtype(
         )
         # int8 kept by a torch build with the kernel, read by one without: measure again.
         if not kept.int8_weights or int8_supported(device):
-            return _load_choice(load, kept), kept
+            return load_as(load, kept.variant), kept
     lengths = TARGET_LENGTHS if role == "target" else DRAFT_LENGTHS
-    candidates = {"float32": lambda: load(torch.float32), "bfloat16": lambda: load(torch.bfloat16)}
+    variants = [_dtype_name(dtype) for dtype in CANDIDATES]
     if role == "draft" and int8_supported(device):
-        candidates[INT8] = lambda: quantize_linears(load(torch.bfloat16))
+        variants.append(INT8)
     models: dict[str, torch.nn.Module] = {}
     seconds: dict[str, dict[int, float]] = {}
-    for name, make in candidates.items():
-        models[name] = make()
+    for name in variants:
+        models[name] = load_as(load, name)
         seconds[name] = _time(models[name], lengths)
     choice = _target_choice(seconds) if role == "target" else _draft_choice(seconds)
     chosen = models.pop(choice.variant)
@@ -166,9 +166,13 @@ def choose_dtype(
     return chosen, choice
 
 
-def _load_choice(load: Callable[[torch.dtype], torch.nn.Module], choice: DtypeChoice) -> Any:
-    model = load(choice.dtype)
-    return quantize_linears(model) if choice.int8_weights else model
+def load_as(load: Callable[[torch.dtype], torch.nn.Module], variant: str) -> torch.nn.Module:
+    """The model from ``load(dtype)`` as ``variant`` names it (as ``seconds`` and
+    ``DtypeChoice.variant`` do): ``float32``, ``bfloat16``, or ``int8`` (bf16 with int8
+    linears)."""
+    if variant == INT8:
+        return quantize_linears(load(torch.bfloat16))
+    return load(getattr(torch, variant))
 
 
 def _target_choice(seconds: dict[str, dict[int, float]]) -> DtypeChoice:
@@ -227,7 +231,7 @@ def _with_prefill_dtype(choice: DtypeChoice) -> DtypeChoice:
     mine = choice.seconds[choice.variant]
     others = {
         name: choice.seconds[name]
-        for name in ("float32", "bfloat16")
+        for name in map(_dtype_name, CANDIDATES)
         if name != choice.variant and name in choice.seconds
     }
     for n in sorted(length for length in mine if length > 1):

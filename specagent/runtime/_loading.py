@@ -11,11 +11,11 @@ import torch
 
 from ..catalog import cache_dir, resolve_model
 from ..decoding.cache import PrefillTwin
-from ..decoding.quantized import int8_supported, quantize_linears
+from ..decoding.quantized import int8_supported
 from ..errors import ModelLoadError
 from ..machine import ProbeStore, config_key
 from ..models import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype
-from ..precision import INT8, DtypeChoice, Role, choose_dtype
+from ..precision import INT8, DtypeChoice, Role, choose_dtype, load_as
 
 __all__ = ["Loaded", "load_pair"]
 
@@ -113,4 +113,4 @@ def _int8_draft(
         )
         raise ModelLoadError(msg)
     precision[role] = DtypeChoice(torch.bfloat16, "asked for", int8_weights=True).to_json()
-    return quantize_linears(load(torch.bfloat16))
+    return load_as(load, INT8)
