@@ -92,6 +92,7 @@ class PositionCache:
 
     def __init__(self) -> None:
         self.length = 0
+        self.layers: list[Any] = []  # no KV to move when a token tree keeps its path
 
     def get_seq_length(self) -> int:
         return self.length
@@ -115,12 +116,24 @@ class OracleTarget:
     def new_cache(self) -> PositionCache:
         return PositionCache()
 
-    def forward(self, input_ids: list[int], cache: PositionCache, keep: int | None = None) -> Any:
+    def forward(
+        self,
+        input_ids: list[int],
+        cache: PositionCache,
+        keep: int | None = None,
+        tree: list[int] | None = None,
+    ) -> Any:
+        start = cache.length
         cache.length += len(input_ids)
         rows = len(input_ids) if keep is None else keep
+        # Each row's depth past the first fed token (a token tree's rows sit at their depth).
+        depths = list(range(len(input_ids)))
+        if tree is not None:
+            for row, parent in enumerate(tree):
+                depths[row] = depths[parent] + 1 if parent >= 0 else 0
         logits = torch.zeros(rows, self.vocab_size)
         for i in range(rows):
-            after = cache.length - rows + i + 1
+            after = start + depths[len(input_ids) - rows + i] + 1
             token = self.reference[after] if after < len(self.reference) else self.eos
             logits[i, token] = 1.0
         if keep is None:
@@ -296,6 +309,9 @@ def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
     """Replay plain, prompt lookup and the agent bench's policies over the recorded traces."""
     traces = json.loads(path.read_text())
     policies = agent_policies(True)
+    auto = policies[0]
+    chain = auto.drafter.model_copy(update={"tree": False})
+    policies.insert(1, auto.model_copy(update={"name": "lossless-auto-chains", "drafter": chain}))
     plain = Policy(name="plain", description="replay", mode="lossless", drafter={"kind": "none"})
     runtime = SpecRuntime.from_pretrained(
         traces["target"],

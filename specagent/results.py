@@ -62,6 +62,9 @@ class SpecStats:
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     """Accepted tokens by where they came from: ``model`` (draft model or early exit),
     ``history`` (text already written: this call's or earlier calls'), ``grammar``."""
+    num_tree_steps: int = 0
+    """Verification steps that checked a token tree (the draft model's draft and a history
+    continuation beside it, in one forward); their drafts' tokens all count as drafted."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -299,6 +299,7 @@ class Telemetry:
                 "specagent.spec_decode.num_draft_tokens": stats.num_draft_tokens,
                 "specagent.spec_decode.num_accepted_tokens": stats.num_accepted_tokens,
                 "specagent.spec_decode.num_forced_tokens": stats.num_forced_tokens,
+                "specagent.spec_decode.num_tree_steps": stats.num_tree_steps,
                 "specagent.spec_decode.acceptance_rate": stats.acceptance_rate,
                 "specagent.spec_decode.mean_acceptance_length": stats.mean_acceptance_length,
                 "specagent.spec_decode.accepted_per_position": list(stats.accepted_per_position),

@@ -4,7 +4,10 @@ greedy outputs equal to plain decoding across multi-turn episodes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from conftest import PinnedCosts
 
 from specagent import InvalidRequestError, Policy, SpecRuntime
 from specagent.grammar import Constraint
@@ -98,6 +101,45 @@ def test_multi_turn_episode_equals_plain_greedy(target, draft, tokenizer) -> Non
                 sources[source] = sources.get(source, 0) + n
         assert outputs["auto-tenant"] == outputs["plain"]
     assert sources.get("history", 0) + sources.get("model", 0) > 0
+    runtime.close()
+
+
+def test_token_trees_in_batched_rounds_equal_plain_greedy(target, draft, tokenizer) -> None:
+    """The tenant's earlier (sampled) answers to the same requests disagree with the greedy
+    ones; with costs that make extra rows free, `auto` verifies the history's continuation
+    beside the draft model's as a token tree, in rounds where another call's forwards are
+    batched; every output still equals plain greedy decoding."""
+    runtime = SpecRuntime(
+        target, draft, tokenizer, [AUTO_TENANT, PLAIN], "cpu", probe_store=PinnedCosts()
+    )
+    runtime.wait_measured(timeout=120)
+    prompts = [
+        [{"role": "user", "content": "Summarise the meeting notes for the team."}],
+        [{"role": "user", "content": "Look up order A-10234 and reply."}],
+    ]
+    for messages in prompts:
+        for seed in range(3):
+            runtime.generate_sync(
+                messages,
+                policy="auto-tenant",
+                tenant="acme",
+                max_new_tokens=24,
+                temperature=1.0,
+                seed=seed,
+            )
+
+    async def together() -> tuple[list, list]:
+        calls = [
+            runtime.generate(m, policy="auto-tenant", tenant="acme", max_new_tokens=24)
+            for m in prompts
+        ]
+        drafted = await asyncio.gather(*calls)
+        plain = [await runtime.generate(m, policy="plain", max_new_tokens=24) for m in prompts]
+        return list(drafted), plain
+
+    drafted, plain = asyncio.run(together())
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+    assert sum(r.stats.num_tree_steps for r in drafted) > 0
     runtime.close()
 
 

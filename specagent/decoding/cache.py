@@ -109,6 +109,13 @@ class ModelRunner:
         """The compiled single-token step over static caches, where it measured faster
         (``compiled.choose_compiled_step``); None: eager steps over dynamic caches."""
 
+    @property
+    def takes_trees(self) -> bool:
+        """Whether ``forward`` can run a token tree: the model's attention takes a custom
+        mask (eager or sdpa)."""
+        implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        return implementation in ("eager", "sdpa")
+
     def compiler(self) -> CompiledStep:
         """A compiled single-token step for this runner's model (compiled at its first use)."""
         return CompiledStep(self.model, self._cache_kw)
@@ -141,13 +148,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: list[int], cache: DynamicCache, keep: int | None = None
+        self,
+        input_ids: list[int],
+        cache: DynamicCache,
+        keep: int | None = None,
+        tree: list[int] | None = None,
     ) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; returns logits ``[n_kept, V]``.
 
-        ``keep`` = how many trailing positions need logits (None: all of them)."""
+        ``keep`` = how many trailing positions need logits (None: all of them). ``tree``: the
+        rows form a token tree, each row's parent row given (-1: the root, which follows the
+        cache); each row then sees the cache and its own ancestors, at its depth's position
+        (``tree.py``; all rows' logits are returned)."""
         with self.kernels.active():
+            if tree is not None:
+                return self._tree_forward(input_ids, cache, tree)
             return self._forward(input_ids, cache, keep)
+
+    def _tree_forward(
+        self, input_ids: list[int], cache: DynamicCache, parents: list[int]
+    ) -> torch.Tensor:
+        from .tree import tree_mask
+
+        if len(parents) != len(input_ids):
+            raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
+        length = int(cache.get_seq_length())
+        width = length + len(input_ids)
+        if is_static(cache):
+            ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
+            width = max(width, cache.layers[0].max_cache_len)  # type: ignore[attr-defined]
+        implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        dtype = self._dtype if implementation == "eager" else None  # eager adds; sdpa selects
+        mask = tree_mask(parents, length, dtype, width)
+        depths = [0] * len(parents)
+        for row, parent in enumerate(parents):
+            depths[row] = depths[parent] + 1 if parent >= 0 else 0
+        kwargs: dict[str, Any] = {
+            self._cache_kw: cache,
+            "use_cache": True,
+            "attention_mask": mask.to(self.device),
+            "position_ids": torch.tensor([[length + d for d in depths]], device=self.device),
+            "cache_position": torch.arange(length, length + len(input_ids), device=self.device),
+        }
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        return self._finished(self.model(input_ids=ids, **kwargs).logits[0])
 
     def _forward(self, input_ids: list[int], cache: DynamicCache, keep: int | None) -> torch.Tensor:
         twin = self.prefill_twin
@@ -373,9 +417,14 @@ class ForwardRequest:
     cache: DynamicCache
     keep: int | None = None
     """Logits wanted for the last ``keep`` positions only (None: all)."""
+    tree: list[int] | None = None
+    """The tokens form a token tree: each row's parent row (``ModelRunner.forward``); such a
+    forward runs alone, never batched with other calls'."""
 
     def run(self) -> torch.Tensor:
-        return self.runner.forward(self.tokens, self.cache, self.keep)
+        if self.tree is None:
+            return self.runner.forward(self.tokens, self.cache, self.keep)
+        return self.runner.forward(self.tokens, self.cache, self.keep, self.tree)
 
 
 def advance(

@@ -25,6 +25,7 @@ from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 
 if TYPE_CHECKING:
     from .registry import DrafterSettings, DraftingParts
+    from .tree import DraftTree
 
 __all__ = [
     "Drafter",
@@ -52,6 +53,10 @@ class Proposal:
     source: str = "model"
     """Where the tokens came from: ``model`` (a draft model or early exit), ``history`` (text
     already written: this call's or earlier calls'), ``grammar`` (forced by a constraint)."""
+    tree: DraftTree | None = None
+    """Other drafts beside these tokens, all merged into one token tree (``tree.py``; its first
+    draft is this one) for the target to verify in one forward. The loop verifies ``tokens``
+    alone where a tree cannot be used (a constraint, grammar-forced tokens, a relaxed rule)."""
 
 
 class TokenConstraint(Protocol):

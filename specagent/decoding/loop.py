@@ -33,6 +33,7 @@ from .cache import ForwardRequest, ModelRunner, Prefixes, advance, crop_to, pref
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
+from .tree import TreeVerdict, keep_path, verify_tree
 
 __all__ = [
     "DecodeCounters",
@@ -68,6 +69,8 @@ class DecodeCounters:
     """Accepted tokens per source: ``model``, ``history``, ``grammar``."""
     cached_prompt_tokens: int = 0
     """Prompt tokens whose target KV came from the prefix cache (not prefilled by this call)."""
+    tree_steps: int = 0
+    """Verification steps that checked a token tree (several drafts in one forward)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -112,6 +115,23 @@ class DecodeCounters:
             for i in range(accepted):
                 self.accepted_per_position[i] += 1
         return accepted
+
+    def record_tree(self, nodes: int, verdict: TreeVerdict) -> None:
+        """Count a step that verified a token tree of ``nodes`` draft tokens (every draft's,
+        a shared prefix once), crediting each accepted token to the draft that won it."""
+        self.target_forwards += 1
+        self.tree_steps += 1
+        accepted = verdict.num_accepted
+        self.emitted_tokens += accepted + 1
+        self.num_drafts += 1
+        self.num_draft_tokens += nodes
+        self.num_accepted_tokens += accepted
+        for source in verdict.sources:
+            self._credit(source, 1)
+        if len(self.accepted_per_position) < accepted:
+            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
     def _credit(self, source: str, accepted: int) -> None:
         self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + accepted
@@ -202,27 +222,47 @@ def speculative_steps(
         else:
             proposal = EMPTY
         proposed = len(proposal.tokens)
-        tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
-        step = _joined(forced, proposal, tail)
-        masks = _masks_and_rewind(constraint, step) if constraint is not None else None
-        logits = yield ForwardRequest(target, [context[-1], *step.tokens], cache)  # [k+1, V]
-        if logits is None:
-            raise RuntimeError("a forward request must be answered with its logits")
-        if masks is not None:
-            logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
-        verdict = _verify(step, logits, params, rule, generator)
-        crop_to(cache, len(context) + verdict.num_accepted)
-        accepted = counters.record(
-            proposed, verdict, len(forced.tokens), len(tail.tokens), proposal.source
-        )
-        schedule.observe(proposed, accepted)
-        if drafter is not None:
-            drafter.observe(proposed, accepted)
+        tree = proposal.tree
+        if tree is not None and rule is None and constraint is None and not forced.tokens:
+            # Several drafts in one forward (``tree.py``): the accepted path and one more token.
+            logits = yield ForwardRequest(
+                target, [context[-1], *tree.tokens], cache, tree=tree.row_parents()
+            )
+            if logits is None:
+                raise RuntimeError("a forward request must be answered with its logits")
+            probs = None if params.greedy else logits_to_probs(logits, params)
+            judged = verify_tree(tree, logits, params.greedy, probs, generator)
+            keep_path(cache, len(context) - 1, judged.path)
+            counters.record_tree(len(tree), judged)
+            schedule.observe(proposed, tree.accepted_of(0, judged.path))
+            observe = getattr(drafter, "observe_tree", None)
+            if observe is not None:
+                observe(tree, judged.path)
+            elif drafter is not None:
+                drafter.observe(proposed, tree.accepted_of(0, judged.path))
+            new = [*(tree.tokens[node] for node in judged.path), judged.next_token]
+        else:
+            tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
+            step = _joined(forced, proposal, tail)
+            masks = _masks_and_rewind(constraint, step) if constraint is not None else None
+            logits = yield ForwardRequest(target, [context[-1], *step.tokens], cache)  # [k+1, V]
+            if logits is None:
+                raise RuntimeError("a forward request must be answered with its logits")
+            if masks is not None:
+                logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
+            verdict = _verify(step, logits, params, rule, generator)
+            crop_to(cache, len(context) + verdict.num_accepted)
+            accepted = counters.record(
+                proposed, verdict, len(forced.tokens), len(tail.tokens), proposal.source
+            )
+            schedule.observe(proposed, accepted)
+            if drafter is not None:
+                drafter.observe(proposed, accepted)
+            new = [*step.tokens[: verdict.num_accepted], verdict.next_token]
         if rule is not None and max_divergence is not None and counters.divergence > max_divergence:
             rule = None
             counters.fell_back_to_lossless = True
 
-        new = [*step.tokens[: verdict.num_accepted], verdict.next_token]
         finish: str | None = None
         for i, token in enumerate(new):
             if token in eos:

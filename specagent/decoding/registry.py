@@ -42,6 +42,7 @@ class DrafterSettings(Protocol):
     min_ngram: int
     max_ngram: int
     history: str
+    tree: bool
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ is expected to cost more than it brings (``costs.most_per_cost`` over the verify
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import dataclasses
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,7 @@ from .drafters import (
 from .history import Continuation, SuffixIndex, continuation
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
+from .tree import DraftTree
 
 if TYPE_CHECKING:
     from .registry import DrafterSettings, DraftingParts
@@ -58,22 +60,32 @@ class SuffixDrafter:
         accepted (prior: 80% of the vote share)."""
         self._last_confidences: list[float] = []
 
-    def candidate(self, context: list[int], limit: int) -> tuple[Continuation, float]:
-        """The draft worth proposing (cut by cost) and its expected tokens per unit of cost."""
+    def candidate(
+        self, context: list[int], limit: int, after: Callable[[float], float] | None = None
+    ) -> tuple[Continuation, float]:
+        """The draft worth proposing (cut by cost) and its expected tokens per unit of cost.
+        ``after(tokens)``: what emitting that many tokens this way costs later (a draft model
+        feeding them at its next draft), added to the verification's cost."""
         self._sync(context)
         indexes = [self.own, *self.shared] if self.own is not None else self.shared
         found = continuation(indexes, context, limit)
         if not found.tokens:
             return found, 0.0
-        calibration = self._tested_hits / self._tested_confidence
+        calibration = self.calibration()
         gains, chance = [1.0], 1.0
         for confidence in found.confidences:
             chance *= min(confidence * calibration, 0.999)
             gains.append(gains[-1] + chance)
         costs = [self.costs.verify_cost(n + 1) for n in range(len(gains))]
+        if after is not None:
+            costs = [cost + after(gain) for cost, gain in zip(costs, gains, strict=True)]
         length = most_per_cost(gains, costs)
         kept = Continuation(found.tokens[:length], found.confidences[:length], found.match_length)
         return kept, gains[length] / costs[length]
+
+    def calibration(self) -> float:
+        """What the target accepted of earlier history drafts per unit of their vote share."""
+        return self._tested_hits / self._tested_confidence
 
     def take(self, found: Continuation, constraint: TokenConstraint | None) -> Proposal:
         """Propose ``found`` (the admissible part under a constraint)."""
@@ -128,10 +140,13 @@ class AutoDrafter(StepwiseDrafter):
         history: SuffixDrafter,
         model: Drafter | None = None,
         schedule: Schedule | None = None,
+        trees: bool = True,
     ) -> None:
         self.history = history
         self.model = model
         self.schedule = schedule
+        self.trees = trees
+        """Whether a history continuation may ride beside the model's draft in a token tree."""
         self._source: str | None = None
 
     def propose_steps(
@@ -142,7 +157,6 @@ class AutoDrafter(StepwiseDrafter):
         generator: torch.Generator,
         constraint: TokenConstraint | None = None,
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
-        found, history_rate = self.history.candidate(context, k)
         model_k, model_rate = 0, 0.0
         if self.model is not None and self.schedule is not None:
             model_k = self.schedule.next_k(k)
@@ -155,6 +169,9 @@ class AutoDrafter(StepwiseDrafter):
                 model_rate = expected_tokens(self.schedule.acceptance, best) / costs.step_cost(best)
             elif model_k > 0:  # a fixed k: the policy asked for the draft model at every step
                 model_rate = 1.0
+        found, history_rate = self.history.candidate(
+            context, k, self._catch_up if model_k > 0 else None
+        )
         self._source = None
         if found.tokens and history_rate >= max(model_rate, 1.0):
             self._source = "history"
@@ -164,14 +181,79 @@ class AutoDrafter(StepwiseDrafter):
             proposal: Proposal = yield from draft_steps(
                 self.model, context, model_k, params, generator, constraint
             )
+            if self.trees and found.tokens and proposal.tokens and constraint is None:
+                return self._with_history_branch(proposal, found)
             return proposal
         return EMPTY
+
+    def _catch_up(self, tokens: float) -> float:
+        """What a history draft that emits ``tokens`` costs the draft model later: it feeds
+        them at its next draft (one forward over them all, more than a single-token step)."""
+        costs = getattr(self.model, "costs", None)
+        if costs is None or not costs.draft:
+            return 0.0
+        # A draft after a model step feeds one token (the one the target added); these, more.
+        whole = int(tokens - 1.0)
+        low, high = costs.catch_up_cost(whole), costs.catch_up_cost(whole + 1)
+        return low + (high - low) * (tokens - 1.0 - whole)
+
+    def _with_history_branch(self, proposal: Proposal, found: Continuation) -> Proposal:
+        """The model's draft, and beside it in a token tree the history's where that is
+        expected to pay: the history's tokens are free to draft and cost only the rows they add
+        to the verification; they bring tokens when the model's draft is rejected where the
+        history's continues. With the model's acceptance a and the history's calibrated
+        confidences c, a history branch leaving the model's draft after d shared tokens brings
+        ``a^d (1 - a) (c_d + c_d c_(d+1) + ...)`` expected tokens; its length is the one with
+        the most expected tokens per unit of the step's cost (draft forwards and verification),
+        and none at all unless that beats the model's draft alone."""
+        shared = 0
+        for mine, theirs in zip(proposal.tokens, found.tokens, strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+        if shared >= len(found.tokens) or not isinstance(self.schedule, AdaptiveSchedule):
+            return proposal
+        costs = self.schedule.costs
+        acceptance = min(max(self.schedule.acceptance, 0.0), 0.999)
+        n = len(proposal.tokens)
+        spent = costs.step_cost(n) - costs.verify_cost(n + 1)  # the draft's forwards
+        reach = acceptance**shared * (1.0 - acceptance)
+        calibration = self.history.calibration()
+        gains, chance = [expected_tokens(acceptance, n)], 1.0
+        for confidence in found.confidences[shared:]:
+            chance *= min(confidence * calibration, 0.999)
+            gains.append(gains[-1] + reach * chance)
+        step_costs = [spent + costs.verify_cost(n + 1 + extra) for extra in range(len(gains))]
+        extra = most_per_cost(gains, step_costs)
+        if extra == 0:
+            return proposal
+        branch = self.history.take(
+            Continuation(
+                found.tokens[: shared + extra],
+                found.confidences[: shared + extra],
+                found.match_length,
+            ),
+            None,
+        )
+        tree = DraftTree.of([proposal, branch])
+        return dataclasses.replace(proposal, tree=tree)
 
     def leave_cache(self) -> None:
         """The draft model's KV goes to the prefix cache at the end of the call."""
         leave = getattr(self.model, "leave_cache", None)
         if leave is not None:
             leave()
+
+    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
+        """A token tree was judged: each draft learns how far the accepted path followed it."""
+        for chain, source in enumerate(tree.sources):
+            proposed, accepted = len(tree.chains[chain]), tree.accepted_of(chain, path)
+            if source == "history":
+                self.history.observe(proposed, accepted)
+            elif self.model is not None:
+                self.model.observe(proposed, accepted)
+                if self.schedule is not None:
+                    self.schedule.observe(proposed, accepted)
 
     def observe(self, proposed: int, accepted: int) -> None:
         if self._source == "history":
@@ -196,7 +278,11 @@ def build_auto(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter |
     from .draft_model import build_draft_model
 
     model, schedule = build_draft_model(config, parts)
-    return AutoDrafter(history, model, schedule), FixedSchedule(config.num_speculative_tokens)
+    trees = config.tree and parts.target.takes_trees
+    return (
+        AutoDrafter(history, model, schedule, trees=trees),
+        FixedSchedule(config.num_speculative_tokens),
+    )
 
 
 def _history_drafter(config: DrafterSettings, parts: DraftingParts) -> SuffixDrafter:

@@ -72,6 +72,10 @@ class DrafterConfig(_Strict):
     earlier calls of this tenant under any policy that shares at tenant scope; ``runtime``:
     every earlier call on the runtime (single-tenant deployments: a call that names a tenant is
     refused). A tenant's text never drafts for another tenant's call."""
+    tree: bool = True
+    """For ``auto``: where the history offers a continuation other than the draft model's,
+    verify both in one forward as a token tree, when the measured costs say the extra rows pay
+    (lossless calls without a grammar; others verify the model's draft alone)."""
 
     @field_validator("kind", "fallback")
     @classmethod

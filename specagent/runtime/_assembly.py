@@ -101,4 +101,5 @@ class CallAssembler:
             fell_back_to_lossless=counters.fell_back_to_lossless,
             num_forced_tokens=counters.num_forced_tokens,
             accepted_by_source=dict(counters.accepted_by_source),
+            num_tree_steps=counters.tree_steps,
         )

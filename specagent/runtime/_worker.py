@@ -235,6 +235,9 @@ class Worker:
                 group = id(job) if _reproducible(job) else id(job.pending.runner)
                 groups.setdefault(group, []).append(job)
         for jobs in groups.values():
+            # A token tree's forward has a mask of its own: it runs alone.
+            trees = [job for job in jobs if job.pending is not None and job.pending.tree]
+            jobs = [job for job in jobs if job not in trees]
             requests = [job.pending for job in jobs if job.pending is not None]
             logits: list[torch.Tensor] | None = None
             if self.batching and len(requests) > 1:
@@ -244,11 +247,11 @@ class Worker:
                     )
                 except Exception as exc:  # find the culprit: retry the calls one by one
                     release_device_memory(exc)
-            for i, job in enumerate(jobs):
+            for i, job in enumerate([*jobs, *trees]):
                 request, job.pending = job.pending, None
                 assert request is not None
                 try:
-                    reply = logits[i] if logits is not None else request.run()
+                    reply = logits[i] if logits is not None and i < len(jobs) else request.run()
                 except Exception as exc:
                     self._fail(job, exc)
                     continue

@@ -205,6 +205,7 @@ def speculative_stats(stats: SpecStats) -> dict[str, Any]:
         "fell_back_to_lossless": stats.fell_back_to_lossless,
         "num_forced_tokens": stats.num_forced_tokens,
         "accepted_by_source": dict(stats.accepted_by_source),
+        "num_tree_steps": stats.num_tree_steps,
         "ttft_s": stats.ttft_s,
         "latency_s": stats.latency_s,
         "tokens_per_s": stats.tokens_per_s,

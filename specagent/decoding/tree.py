@@ -1,0 +1,208 @@
+"""Token trees: several drafts of one step verified in one target forward.
+
+Where two drafters disagree (the draft model proposes one continuation, the history another),
+a chain can carry only one of them. A tree carries both: its nodes are the union of the drafts
+(a trie: a shared prefix is one node), fed to the target in one forward with an attention mask
+that lets every node see the cached context and its own ancestors only, at the position its
+depth gives. On a CPU whose verify curve is flat for a few rows, the second branch costs next to
+nothing and wins whenever the first one is rejected early.
+
+The lossless rule for trees is recursive rejection sampling (SpecInfer, Miao et al. 2024;
+SpecTr, Sun et al. 2023): at a node whose target distribution is p, the children are *tried* in
+the order their drafts were given, each try a proposal ``x ~ q`` drawn independently of the
+others (a deterministic draft has q one-hot on x). A try is accepted with probability
+``min(1, r(x)/q(x))`` against the current residual r (at first p); a rejection replaces r by
+``norm(max(0, r - q))``, the residual of that try. The first accepted try moves the walk to its
+child; when every try is rejected, the emitted token is sampled from the last residual, and at a
+leaf from p. Every try is an exact speculative-sampling step for the distribution r it faces,
+so the token emitted at each node is distributed exactly as p. Two drafts that propose the same
+token are two tries of the same child (the second one, after the first was rejected, faces a
+residual that may still hold that token).
+
+Greedy verification walks the argmax: from the root, to the child whose token is the target's
+choice, while there is one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .acceptance import residual_distribution
+from .cache import crop_to
+from .drafters import Proposal
+from .sampling import sample
+
+__all__ = ["DraftTree", "TreeVerdict", "keep_path", "tree_mask", "verify_tree"]
+
+
+@dataclass
+class DraftTree:
+    """Drafts of one step merged into a trie rooted at the step's first input (the context's
+    last token, row 0 of the forward). Node ``i`` is row ``i + 1``."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    """Each node's parent node (-1: the root); always an earlier node."""
+    tries: dict[int, list[tuple[int, torch.Tensor | None, str]]] = field(default_factory=dict)
+    """Per node (-1: the root), its children in the order they are tried, each with the q row
+    its token was drawn from (None: proposed deterministically) and its draft's source."""
+    chains: list[list[int]] = field(default_factory=list)
+    """Each draft as the nodes of its path, in the order the drafts were added."""
+    sources: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, proposals: list[Proposal]) -> DraftTree:
+        tree = cls()
+        for proposal in proposals:
+            tree.add(proposal)
+        return tree
+
+    def add(self, proposal: Proposal) -> int:
+        """Merge ``proposal`` (a draft from the root) into the trie; returns the nodes it added."""
+        before, node, path = len(self.tokens), -1, []
+        for depth, token in enumerate(proposal.tokens):
+            child = self._child(node, token)
+            if child is None:
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+            q = proposal.probs[depth] if proposal.probs is not None else None
+            self.tries.setdefault(node, []).append((child, q, proposal.source))
+            path.append(child)
+            node = child
+        self.chains.append(path)
+        self.sources.append(proposal.source)
+        return len(self.tokens) - before
+
+    def _child(self, node: int, token: int) -> int | None:
+        for child, _, _ in self.tries.get(node, ()):
+            if self.tokens[child] == token:
+                return child
+        return None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def depths(self) -> list[int]:
+        """Each row's depth below the root (the root's is 0)."""
+        out = [0]
+        for parent in self.parents:
+            out.append(out[parent + 1] + 1)
+        return out
+
+    def row_parents(self) -> list[int]:
+        """Each forward row's parent row (-1 for the root row)."""
+        return [-1, *(parent + 1 for parent in self.parents)]
+
+    def accepted_of(self, chain: int, path: list[int]) -> int:
+        """How many of draft ``chain``'s tokens the accepted ``path`` (nodes) took."""
+        n = 0
+        for mine, taken in zip(self.chains[chain], path, strict=False):
+            if mine != taken:
+                break
+            n += 1
+        return n
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """The outcome of verifying a tree: the accepted path, then one more token."""
+
+    path: list[int]
+    """Accepted nodes, root to leaf."""
+    next_token: int
+    sources: list[str]
+    """The source of the try that accepted each node of ``path``."""
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+
+def tree_mask(
+    row_parents: list[int], cached: int, dtype: torch.dtype | None, width: int | None = None
+) -> torch.Tensor:
+    """The ``[1, 1, rows, width]`` attention mask of a tree forward (``width``: at least
+    ``cached + rows``, the key length the attention sees; a static cache's slots): every row
+    sees the ``cached`` positions and its own ancestors (itself included), nothing after them.
+    ``dtype=None`` gives a boolean mask (True: attend), a float dtype an additive one (0 or the
+    dtype's minimum)."""
+    rows = len(row_parents)
+    width = cached + rows if width is None else width
+    if width < cached + rows:
+        raise ValueError(f"a mask of width {width} cannot hold {cached} + {rows} positions")
+    allowed = torch.zeros(rows, width, dtype=torch.bool)
+    allowed[:, :cached] = True
+    for row, parent in enumerate(row_parents):
+        if parent >= row:
+            raise ValueError(f"row {row}'s parent {parent} is not an earlier row")
+        if parent >= 0:
+            allowed[row] = allowed[parent]
+        allowed[row, cached + row] = True
+    allowed = allowed[None, None]
+    if dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(allowed, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
+
+
+def verify_tree(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    greedy: bool,
+    probs: torch.Tensor | None,
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Walk ``tree`` with the target's rows (``logits [1 + n, V]``; ``probs``, the target's
+    distributions of the same rows, when sampling) by the greedy or the lossless rule."""
+    path: list[int] = []
+    sources: list[str] = []
+    node = -1
+    if greedy:
+        choice = logits.argmax(dim=-1).tolist()
+        while True:
+            wanted = choice[node + 1]
+            step = next((t for t in tree.tries.get(node, ()) if tree.tokens[t[0]] == wanted), None)
+            if step is None:
+                return TreeVerdict(path, wanted, sources)
+            node = step[0]
+            path.append(node)
+            sources.append(step[2])
+    assert probs is not None
+    while True:
+        residual = probs[node + 1]
+        chosen = None
+        for child, q, source in tree.tries.get(node, ()):
+            token = tree.tokens[child]
+            q_x = float(q[token]) if q is not None else 1.0
+            u = float(torch.rand((), generator=generator, device=generator.device))
+            if u * q_x < float(residual[token]):
+                chosen = (child, source)
+                break
+            if q is None:
+                q = torch.zeros_like(residual)
+                q[token] = 1.0
+            residual = residual_distribution(residual, torch.minimum(q, residual))
+        if chosen is None:
+            return TreeVerdict(path, int(sample(residual, generator)), sources)
+        node = chosen[0]
+        path.append(node)
+        sources.append(chosen[1])
+
+
+@torch.inference_mode()
+def keep_path(cache: object, start: int, path: list[int]) -> None:
+    """After a tree forward that wrote its rows from position ``start`` (the root), keep the KV
+    of the root and the accepted ``path`` (nodes), moved to follow one another, and drop the
+    rest."""
+    rows = [start + 1 + node for node in path]
+    if rows != list(range(start + 1, start + 1 + len(rows))):
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer in cache.layers:  # type: ignore[attr-defined]
+            for name in ("keys", "values"):
+                held = getattr(layer, name)
+                moved = held.index_select(2, index.to(held.device))
+                held[:, :, start + 1 : start + 1 + len(rows)] = moved
+    crop_to(cache, start + 1 + len(rows))  # type: ignore[arg-type]
