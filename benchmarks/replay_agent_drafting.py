@@ -310,8 +310,8 @@ def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
     traces = json.loads(path.read_text())
     policies = agent_policies(True)
     auto = policies[0]
-    chain = auto.drafter.model_copy(update={"tree": False})
-    policies.insert(1, auto.model_copy(update={"name": "lossless-auto-chains", "drafter": chain}))
+    trees = auto.drafter.model_copy(update={"tree": True})
+    policies.insert(1, auto.model_copy(update={"name": "lossless-auto-trees", "drafter": trees}))
     plain = Policy(name="plain", description="replay", mode="lossless", drafter={"kind": "none"})
     runtime = SpecRuntime.from_pretrained(
         traces["target"],

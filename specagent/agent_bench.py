@@ -107,6 +107,8 @@ class TurnResult:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     accepted_by_source: dict[str, int] | None = None
+    tree_steps: int | None = None
+    """specagent: verifications of a token tree (``SpecStats.num_tree_steps``)."""
     equal_to_plain: bool | None = None
     divergence: dict[str, Any] | None = None
     """Where an output first differs from plain greedy, and whether the two tokens were a tie
@@ -366,6 +368,7 @@ def _run_episode(
             turn.acceptance_rate = round(stats.acceptance_rate, 3)
             turn.mean_acceptance_length = round(stats.mean_acceptance_length, 3)
             turn.accepted_by_source = dict(stats.accepted_by_source)
+            turn.tree_steps = stats.num_tree_steps
         reply = str(tokenizer.decode(list(tokens), skip_special_tokens=True))
         messages.append({"role": "assistant", "content": replies[index] if replies else reply})
         turns.append(turn)
@@ -438,6 +441,11 @@ def _summarise(
                 for source, n in (turn.accepted_by_source or {}).items():
                     sources.setdefault(m, {})[source] = sources.get(m, {}).get(source, 0) + n
     summary["accepted_by_source"] = sources
+    summary["tree_steps"] = {
+        m: sum(t.tree_steps or 0 for rows in episodes.values() for t in rows[m])
+        for m in methods
+        if m.startswith("specagent_")
+    }
     summary["all_lossless_equal_to_plain"] = all(
         t.equal_to_plain is not False
         for rows in episodes.values()

@@ -26,6 +26,12 @@ def _policy(name: str, kind: str, history: str, k: int = 8) -> Policy:
 
 SUFFIX_TENANT = _policy("suffix-tenant", "suffix", "tenant")
 AUTO_TENANT = _policy("auto-tenant", "auto", "tenant")
+AUTO_TREES = Policy(
+    name="auto-trees",
+    description="auto drafting with token trees",
+    mode="lossless",
+    drafter={"kind": "auto", "num_speculative_tokens": 8, "history": "tenant", "tree": True},
+)
 SHARED = _policy("shared", "suffix", "runtime")
 
 PROMPT = [{"role": "user", "content": "Summarise the meeting notes for the team."}]
@@ -108,9 +114,15 @@ def test_token_trees_in_batched_rounds_equal_plain_greedy(target, draft, tokeniz
     """The tenant's earlier (sampled) answers to the same requests disagree with the greedy
     ones; with costs that make extra rows free, `auto` verifies the history's continuation
     beside the draft model's as a token tree, in rounds where another call's forwards are
-    batched; every output still equals plain greedy decoding."""
+    batched; every output still equals plain greedy decoding. Without ``tree: true`` (the
+    default), the same calls verify chains only."""
     runtime = SpecRuntime(
-        target, draft, tokenizer, [AUTO_TENANT, PLAIN], "cpu", probe_store=PinnedCosts()
+        target,
+        draft,
+        tokenizer,
+        [AUTO_TREES, AUTO_TENANT, PLAIN],
+        "cpu",
+        probe_store=PinnedCosts(),
     )
     runtime.wait_measured(timeout=120)
     prompts = [
@@ -121,7 +133,7 @@ def test_token_trees_in_batched_rounds_equal_plain_greedy(target, draft, tokeniz
         for seed in range(3):
             runtime.generate_sync(
                 messages,
-                policy="auto-tenant",
+                policy="auto-trees",
                 tenant="acme",
                 max_new_tokens=24,
                 temperature=1.0,
@@ -130,7 +142,7 @@ def test_token_trees_in_batched_rounds_equal_plain_greedy(target, draft, tokeniz
 
     async def together() -> tuple[list, list]:
         calls = [
-            runtime.generate(m, policy="auto-tenant", tenant="acme", max_new_tokens=24)
+            runtime.generate(m, policy="auto-trees", tenant="acme", max_new_tokens=24)
             for m in prompts
         ]
         drafted = await asyncio.gather(*calls)
@@ -140,6 +152,12 @@ def test_token_trees_in_batched_rounds_equal_plain_greedy(target, draft, tokeniz
     drafted, plain = asyncio.run(together())
     assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
     assert sum(r.stats.num_tree_steps for r in drafted) > 0
+    chains = [
+        runtime.generate_sync(m, policy="auto-tenant", tenant="acme", max_new_tokens=24)
+        for m in prompts
+    ]
+    assert [r.token_ids for r in chains] == [r.token_ids for r in plain]
+    assert all(r.stats.num_tree_steps == 0 for r in chains)
     runtime.close()
 
 

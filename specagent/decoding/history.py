@@ -5,9 +5,10 @@ document after document.
 ``SuffixIndex`` indexes token sequences by their n-grams (a few lengths, longest tried first):
 looking up a context finds every earlier place where its last n tokens occurred, and the
 continuation is grown token by token by a vote among those places (the most frequent next token,
-then only the places that agree), each token with its share of the vote as a confidence. A lookup
-costs what the match and the draft cost, never the size of the history: an n-gram is one dict
-probe and at most ``max_occurrences`` places (the most recent) are kept per n-gram.
+then only the places that agree), each token with its share of the vote as a confidence. Where
+the places split, ``runner_up`` follows the other way (the second branch of a token tree). A
+lookup costs what the match and the draft cost, never the size of the history: an n-gram is one
+dict probe and at most ``max_occurrences`` places (the most recent) are kept per n-gram.
 
 ``HistoryStore`` keeps one index per scope key (``drafter.history``: per policy, per tenant or the
 whole runtime, always within one tenant) under a total token budget, the oldest documents evicted
@@ -23,7 +24,7 @@ import threading
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Continuation", "HistoryStore", "SuffixIndex"]
+__all__ = ["Continuation", "HistoryStore", "SuffixIndex", "continuation", "runner_up"]
 
 NGRAMS = (2, 3, 5, 8)
 """Match lengths, longest tried first. One token matches by chance too often to be worth a
@@ -118,14 +119,13 @@ class SuffixIndex:
         return [], 0
 
 
-def continuation(
-    indexes: Sequence[SuffixIndex], context: Sequence[int], limit: int
-) -> Continuation:
-    """The continuation most often seen after the context's longest match in any of
-    ``indexes`` (the longest match wins; equal lengths pool their places)."""
-    if limit <= 0:
-        return EMPTY
-    best: list[tuple[SuffixIndex, int, int]] = []
+Place = tuple[SuffixIndex, int, int]
+"""An earlier occurrence of the context's suffix: its index, document and end."""
+
+
+def _matched(indexes: Sequence[SuffixIndex], context: Sequence[int]) -> tuple[list[Place], int]:
+    """The places of the context's longest match in any of ``indexes`` (equal lengths pool)."""
+    best: list[Place] = []
     best_n = 0
     for index in indexes:
         places, n = index.places(context)
@@ -133,33 +133,94 @@ def continuation(
             best, best_n = [(index, d, end) for d, end in places], n
         elif n == best_n and n > 0:
             best.extend((index, d, end) for d, end in places)
-    if not best:
-        return EMPTY
+    return best, best_n
+
+
+def _votes(live: list[Place], offset: int) -> tuple[collections.Counter[int], dict[int, int]]:
+    """What the places ``live`` hold ``offset`` tokens after their match, and each token's
+    most recent place."""
+    votes: collections.Counter[int] = collections.Counter()
+    latest: dict[int, int] = {}
+    for rank, (index, d, end) in enumerate(live):
+        doc = index.docs[d]
+        if end + offset < len(doc):
+            token = doc[end + offset]
+            votes[token] += 1
+            latest[token] = rank
+    return votes, latest
+
+
+def _agreeing(live: list[Place], offset: int, token: int) -> list[Place]:
+    return [
+        (index, d, end)
+        for index, d, end in live
+        if end + offset < len(index.docs[d]) and index.docs[d][end + offset] == token
+    ]
+
+
+def _grow(live: list[Place], offset: int, limit: int) -> tuple[list[int], list[float]]:
+    """From ``offset`` on: the most frequent next token (ties to the most recent place), then
+    only the places that agree, up to ``limit`` tokens in all; each with its vote share."""
     tokens: list[int] = []
     confidences: list[float] = []
-    live = best
-    for offset in range(limit):
-        votes: collections.Counter[int] = collections.Counter()
-        latest: dict[int, int] = {}
-        for rank, (index, d, end) in enumerate(live):
-            doc = index.docs[d]
-            if end + offset < len(doc):
-                token = doc[end + offset]
-                votes[token] += 1
-                latest[token] = rank
+    while offset < limit:
+        votes, latest = _votes(live, offset)
         if not votes:
             break
-        total = sum(votes.values())
-        # The most frequent next token; ties go to the most recent place.
         token = max(votes, key=lambda t: (votes[t], latest[t]))
         tokens.append(token)
-        confidences.append(votes[token] / total)
-        live = [
-            (index, d, end)
-            for index, d, end in live
-            if end + offset < len(index.docs[d]) and index.docs[d][end + offset] == token
-        ]
+        confidences.append(votes[token] / sum(votes.values()))
+        live = _agreeing(live, offset, token)
+        offset += 1
+    return tokens, confidences
+
+
+def continuation(
+    indexes: Sequence[SuffixIndex], context: Sequence[int], limit: int
+) -> Continuation:
+    """The continuation most often seen after the context's longest match in any of
+    ``indexes`` (the longest match wins; equal lengths pool their places)."""
+    if limit <= 0:
+        return EMPTY
+    best, best_n = _matched(indexes, context)
+    if not best:
+        return EMPTY
+    tokens, confidences = _grow(best, 0, limit)
     return Continuation(tokens, confidences, best_n)
+
+
+def runner_up(
+    indexes: Sequence[SuffixIndex], context: Sequence[int], main: Continuation, limit: int
+) -> Continuation:
+    """The history's second opinion on ``main`` (this context's ``continuation``): where the
+    places split, the token fewer of them hold, then what those places continue with. Of the
+    splits along ``main``, the one most likely to be the text's way: the chance of reaching it
+    (``main``'s vote shares before it) times the runner-up's share. Its tokens and vote shares
+    start from the root (``main``'s up to the split); EMPTY where all places agree."""
+    if not main.tokens:
+        return EMPTY
+    live, _ = _matched(indexes, context)
+    best: tuple[float, int, int, float, list[Place]] | None = None
+    reach = 1.0
+    for offset, token in enumerate(main.tokens):
+        votes, latest = _votes(live, offset)
+        others = [t for t in votes if t != token]
+        if others:
+            second = max(others, key=lambda t: (votes[t], latest[t]))
+            share = votes[second] / sum(votes.values())
+            if best is None or reach * share > best[0]:
+                best = (reach * share, offset, second, share, _agreeing(live, offset, second))
+        reach *= main.confidences[offset]
+        live = _agreeing(live, offset, token)
+    if best is None:
+        return EMPTY
+    _, offset, token, share, voters = best
+    tokens, confidences = _grow(voters, offset + 1, limit)
+    return Continuation(
+        [*main.tokens[:offset], token, *tokens],
+        [*main.confidences[:offset], share, *confidences],
+        main.match_length,
+    )
 
 
 class HistoryStore:

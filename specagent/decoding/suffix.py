@@ -6,6 +6,10 @@ A history draft is free to make: its only cost is verifying it. Its length comes
 each token carries its share of the vote among the places that matched (``history``), calibrated
 by what the target accepted of earlier history drafts, and the draft is cut where one more token
 is expected to cost more than it brings (``costs.most_per_cost`` over the verify curve).
+
+Where a second draft is worth a few more rows of the same forward, the proposal carries a token
+tree (``tree.py``): the history's runner-up beside its best continuation, and in ``auto`` the
+history's continuation beside the draft model's draft.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from .drafters import (
     _admissible,
     draft_steps,
 )
-from .history import Continuation, SuffixIndex, continuation
+from .history import Continuation, SuffixIndex, continuation, runner_up
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .tree import DraftTree
@@ -49,9 +53,13 @@ class SuffixDrafter:
         shared: Sequence[SuffixIndex] = (),
         costs: CostModel | None = None,
         own_context: bool = True,
+        trees: bool = False,
     ) -> None:
         self.shared = list(shared)
         self.costs = costs or CostModel()
+        self.trees = trees
+        """Whether the history's runner-up continuation may ride beside its best one in a token
+        tree (``with_runner_up``)."""
         self.own = SuffixIndex() if own_context else None
         self._indexed: list[int] = []
         self._tested_confidence = 2.0
@@ -67,8 +75,7 @@ class SuffixDrafter:
         ``after(tokens)``: what emitting that many tokens this way costs later (a draft model
         feeding them at its next draft), added to the verification's cost."""
         self._sync(context)
-        indexes = [self.own, *self.shared] if self.own is not None else self.shared
-        found = continuation(indexes, context, limit)
+        found = continuation(self._indexes(), context, limit)
         if not found.tokens:
             return found, 0.0
         calibration = self.calibration()
@@ -82,6 +89,55 @@ class SuffixDrafter:
         length = most_per_cost(gains, costs)
         kept = Continuation(found.tokens[:length], found.confidences[:length], found.match_length)
         return kept, gains[length] / costs[length]
+
+    def _indexes(self) -> list[SuffixIndex]:
+        return [self.own, *self.shared] if self.own is not None else self.shared
+
+    def with_runner_up(
+        self,
+        context: list[int],
+        found: Continuation,
+        limit: int,
+        after: Callable[[float], float] | None = None,
+    ) -> Proposal:
+        """``found`` as a proposal and, beside it in a token tree, the history's runner-up
+        continuation (``history.runner_up``: where the earlier places split, the other way)
+        where its extra rows pay. It leaves ``found`` after d shared tokens; reaching the split
+        has the chance of ``found``'s first d tokens, and the branch then brings its own
+        calibrated vote shares' products. Its length is the one with the most expected tokens
+        per unit of the step's cost (verification and ``after``), and none unless that beats
+        ``found`` alone."""
+        main = self.take(found, None)
+        if not self.trees or not found.tokens:
+            return main
+        other = runner_up(self._indexes(), context, found, limit)
+        if not other.tokens:
+            return main
+        calibration = self.calibration()
+        gains, chance, reach = [1.0], 1.0, 1.0
+        for confidence in found.confidences:
+            chance *= min(confidence * calibration, 0.999)
+            gains.append(gains[-1] + chance)
+        shared = 0
+        for mine, theirs in zip(found.tokens, other.tokens, strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+            reach *= min(found.confidences[shared - 1] * calibration, 0.999)
+        tree_gains, chance = [gains[-1]], reach
+        for confidence in other.confidences[shared:]:
+            chance *= min(confidence * calibration, 0.999)
+            tree_gains.append(tree_gains[-1] + chance)
+        n = len(found.tokens)
+        costs = [
+            self.costs.verify_cost(n + 1 + extra) + (after(gain) if after is not None else 0.0)
+            for extra, gain in enumerate(tree_gains)
+        ]
+        extra = most_per_cost(tree_gains, costs)
+        if extra == 0:
+            return main
+        branch = Proposal(other.tokens[: shared + extra], source="history")
+        return dataclasses.replace(main, tree=DraftTree.of([main, branch]))
 
     def calibration(self) -> float:
         """What the target accepted of earlier history drafts per unit of their vote share."""
@@ -102,6 +158,8 @@ class SuffixDrafter:
         constraint: TokenConstraint | None = None,
     ) -> Proposal:
         found, _ = self.candidate(context, k)
+        if constraint is None:
+            return self.with_runner_up(context, found, k)
         return self.take(found, constraint)
 
     def observe(self, proposed: int, accepted: int) -> None:
@@ -140,7 +198,7 @@ class AutoDrafter(StepwiseDrafter):
         history: SuffixDrafter,
         model: Drafter | None = None,
         schedule: Schedule | None = None,
-        trees: bool = True,
+        trees: bool = False,
     ) -> None:
         self.history = history
         self.model = model
@@ -175,6 +233,9 @@ class AutoDrafter(StepwiseDrafter):
         self._source = None
         if found.tokens and history_rate >= max(model_rate, 1.0):
             self._source = "history"
+            if constraint is None:
+                after = self._catch_up if model_k > 0 else None
+                return self.history.with_runner_up(context, found, k, after)
             return self.history.take(found, constraint)
         if self.model is not None and model_k > 0:
             self._source = "model"
@@ -245,11 +306,16 @@ class AutoDrafter(StepwiseDrafter):
             leave()
 
     def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
-        """A token tree was judged: each draft learns how far the accepted path followed it."""
+        """A token tree was judged: the model's draft and the history's first (best) one learn
+        how far the accepted path followed them (a runner-up's vote shares are not the ones
+        the history's calibration tracks)."""
+        history_seen = False
         for chain, source in enumerate(tree.sources):
             proposed, accepted = len(tree.chains[chain]), tree.accepted_of(chain, path)
             if source == "history":
-                self.history.observe(proposed, accepted)
+                if not history_seen:
+                    self.history.observe(proposed, accepted)
+                history_seen = True
             elif self.model is not None:
                 self.model.observe(proposed, accepted)
                 if self.schedule is not None:
@@ -287,4 +353,5 @@ def build_auto(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter |
 
 def _history_drafter(config: DrafterSettings, parts: DraftingParts) -> SuffixDrafter:
     own = config.history != "none"
-    return SuffixDrafter(parts.history, parts.costs(None), own_context=own)
+    trees = config.tree and parts.target.takes_trees
+    return SuffixDrafter(parts.history, parts.costs(None), own_context=own, trees=trees)

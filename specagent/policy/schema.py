@@ -72,10 +72,14 @@ class DrafterConfig(_Strict):
     earlier calls of this tenant under any policy that shares at tenant scope; ``runtime``:
     every earlier call on the runtime (single-tenant deployments: a call that names a tenant is
     refused). A tenant's text never drafts for another tenant's call."""
-    tree: bool = True
-    """For ``auto``: where the history offers a continuation other than the draft model's,
-    verify both in one forward as a token tree, when the measured costs say the extra rows pay
-    (lossless calls without a grammar; others verify the model's draft alone)."""
+    tree: bool = False
+    """For ``suffix`` and ``auto``: verify several drafts in one forward as a token tree where
+    the measured costs say the extra rows pay: the history's runner-up continuation beside its
+    best one (where earlier places split), and, for ``auto``, the history's continuation beside
+    the draft model's draft. Lossless calls without a grammar; others verify the first draft
+    alone. Off by default: on the 2-core CPUs measured it did not pay (within 0.3% either
+    way, ``benchmarks/README.md``); a device whose verify curve stays flat for many rows is
+    where it can."""
 
     @field_validator("kind", "fallback")
     @classmethod

@@ -11,16 +11,17 @@ import dataclasses
 import pytest
 import torch
 from conftest import hf_greedy, make_model
-from test_history import _history_drafter
+from test_history import HISTORY, _history_drafter
 from test_lossless_distribution import chi_square_pvalues, exact_marginals, sample_counts
 
 from specagent.decoding import tree as tree_module
 from specagent.decoding.acceptance import TopKRule
 from specagent.decoding.cache import ModelRunner
+from specagent.decoding.compiled import is_static, new_static
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import Proposal, TokenConstraint
-from specagent.decoding.history import SuffixIndex
+from specagent.decoding.history import SuffixIndex, continuation, runner_up
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
@@ -96,6 +97,27 @@ def test_a_tree_forward_equals_each_drafts_chain_and_keeps_the_accepted_path(
     torch.testing.assert_close(
         runner.forward([40, 3], in_tree), runner.forward([40, 3], reference), atol=1e-5, rtol=1e-5
     )
+
+
+def test_a_tree_over_a_static_cache_equals_one_over_a_dynamic_cache() -> None:
+    """Where single-token steps run compiled, caches are static (preallocated slots): the tree
+    forward masks the unused slots, keeps the path in place and grows the cache as needed."""
+    model = make_model(50, layers=2, seed=1)
+    runner = ModelRunner(model)
+    context = [5, 6, 7, 8, 9, 10]
+    static, dynamic = new_static(model.config, 16), runner.new_cache()
+    assert static is not None
+    assert is_static(static)
+    tree = DraftTree.of([Proposal([11, 12, 13]), Proposal([11, 14, 15, 16]), Proposal([20, 21])])
+    logits = []
+    for cache in (static, dynamic):
+        runner.forward(context[:-1], cache)
+        logits.append(runner.forward([context[-1], *tree.tokens], cache, tree=tree.row_parents()))
+        keep_path(cache, len(context) - 1, tree.chains[1])
+        assert int(cache.get_seq_length()) == len(context) + 4
+        logits.append(runner.forward(list(range(3, 14)), cache))  # past the 16 slots: grown
+    torch.testing.assert_close(logits[0], logits[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1], logits[3], atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_walk_follows_the_targets_choice_through_the_branches() -> None:
@@ -178,6 +200,54 @@ def test_the_tree_check_catches_a_residual_left_unchanged(
     assert min(pvalues) < 1e-6, pvalues
 
 
+# --------------------------------------------------------------------------- history runner-up
+
+
+def test_the_runner_up_takes_the_other_way_at_the_likeliest_split() -> None:
+    index = SuffixIndex()
+    for doc_id, doc in enumerate([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 5, 9]]):
+        index.add(doc_id, doc)
+    main = continuation([index], [0, 1, 2, 3], 3)
+    assert main.tokens[:2] == [4, 5]
+    other = runner_up([index], [0, 1, 2, 3], main, 3)
+    # Splits: after 4 (7 holds 1 of 3 places, reached surely) and after 4, 5 (one of the two
+    # places, reached with 2/3): equal chances, the earlier split is kept.
+    assert other.tokens == [4, 7, 8]
+    assert other.confidences == [1.0, pytest.approx(1 / 3), 1.0]
+    agreed = SuffixIndex()
+    agreed.add(0, [1, 2, 3, 4, 5])
+    assert runner_up([agreed], [1, 2, 3], continuation([agreed], [1, 2, 3], 2), 2).tokens == []
+
+
+def test_suffix_drafts_carry_the_runner_up_where_rows_are_free() -> None:
+    drafter = _history_drafter()
+    drafter.trees = True
+    proposal = drafter.propose([3, 7, 3], 4, SamplingParams(temperature=0.0), make_generator(0))
+    assert proposal.tree is not None
+    chains = [[proposal.tree.tokens[n] for n in chain] for chain in proposal.tree.chains]
+    assert chains[0] == proposal.tokens
+    assert chains[1] != chains[0]
+    # Every branch is a continuation some earlier document holds after the match.
+    texts = [" ".join(map(str, doc)) for doc in HISTORY]
+    assert all(any(" ".join(map(str, [7, 3, *c])) in t for t in texts) for c in chains)
+
+
+@pytest.mark.slow
+def test_history_trees_keep_sampling_exact(small_target) -> None:
+    """Two deterministic tries per split (the history's best and its runner-up): the second
+    faces the residual left by the first."""
+
+    def drafter() -> object:
+        made = _history_drafter()
+        made.trees = True
+        return made
+
+    params = SamplingParams(temperature=1.0)
+    counts = sample_counts(small_target, drafter, params, 4)
+    pvalues = chi_square_pvalues(counts, exact_marginals(small_target, params))
+    assert min(pvalues) > 1e-3, pvalues
+
+
 # --------------------------------------------------------------------------- auto with trees
 
 FLAT = CostModel(draft_step=0.05, verify=(1.0,) * 24, draft=(0.05,) * 24)
@@ -202,6 +272,7 @@ def test_auto_with_history_branches_equals_plain_greedy(target, draft, prompt_se
         SuffixDrafter([index], FLAT, own_context=True),
         DraftModelDrafter(ModelRunner(draft), costs=FLAT),
         schedule,
+        trees=True,
     )
     events = list(
         speculative_generate(
