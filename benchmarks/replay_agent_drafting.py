@@ -13,6 +13,9 @@ recorded output: in greedy lossless decoding the target's verdict on a draft dep
 output it would produce, so the steps taken, draft forwards run and tokens accepted are those of
 a real run (up to the draft's own rounding on this machine). Transformers' prompt lookup is
 replayed by its own candidate rule (earliest match of the last 2 tokens, else 1; 6 tokens).
+The agent bench's policies are replayed as shipped and once more with token trees on
+(``lossless-auto-trees``): the oracle answers a tree's rows by their depth, which is all a
+greedy walk reads.
 
 Costs are in single-token target steps (``CostModel``: measured on this machine and stored);
 prefills are left out, as every specagent method reuses the same prefixes. A guide for choosing
