@@ -168,7 +168,7 @@ class ModelRunner:
     def _tree_forward(
         self, input_ids: list[int], cache: DynamicCache, parents: list[int]
     ) -> torch.Tensor:
-        from .tree import tree_mask
+        from .tree import tree_mask  # tree.py builds on this module (crop_to)
 
         if len(parents) != len(input_ids):
             raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
@@ -176,7 +176,8 @@ class ModelRunner:
         width = length + len(input_ids)
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
-            width = max(width, cache.layers[0].max_cache_len)  # type: ignore[attr-defined]
+            first: Any = cache.layers[0]
+            width = max(width, first.max_cache_len)  # the attention sees every slot
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
         dtype = self._dtype if implementation == "eager" else None  # eager adds; sdpa selects
         mask = tree_mask(parents, length, dtype, width)

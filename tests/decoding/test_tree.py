@@ -22,7 +22,7 @@ from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import Proposal, TokenConstraint
 from specagent.decoding.history import SuffixIndex, continuation, runner_up
-from specagent.decoding.loop import speculative_generate
+from specagent.decoding.loop import DecodeEvent, speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
@@ -250,6 +250,26 @@ def test_history_trees_keep_sampling_exact(small_target) -> None:
 
 # --------------------------------------------------------------------------- auto with trees
 
+
+def _greedy(
+    target: object, prompt: list[int], drafter: object, tokens: int, k: int, **options: object
+) -> DecodeEvent:
+    """The last event of a greedy call decoded with ``drafter`` at up to k tokens a step."""
+    events = list(
+        speculative_generate(
+            ModelRunner(target),  # type: ignore[arg-type]
+            prompt,
+            params=SamplingParams(temperature=0.0),
+            generator=make_generator(0),
+            max_new_tokens=tokens,
+            drafter=drafter,
+            schedule=FixedSchedule(k),
+            **options,
+        )
+    )
+    return events[-1]
+
+
 FLAT = CostModel(draft_step=0.05, verify=(1.0,) * 24, draft=(0.05,) * 24)
 """A verify curve flat to 24 rows and cheap draft forwards (as a GPU's): trees cost nothing."""
 
@@ -274,19 +294,9 @@ def test_auto_with_history_branches_equals_plain_greedy(target, draft, prompt_se
         schedule,
         trees=True,
     )
-    events = list(
-        speculative_generate(
-            ModelRunner(target),
-            prompt,
-            params=SamplingParams(temperature=0.0),
-            generator=make_generator(0),
-            max_new_tokens=24,
-            drafter=drafter,
-            schedule=FixedSchedule(8),
-        )
-    )
-    assert events[-1].output_ids == truth
-    counters = events[-1].counters
+    last = _greedy(target, prompt, drafter, 24, 8)
+    assert last.output_ids == truth
+    counters = last.counters
     assert counters.emitted_tokens == 24
     assert counters.tree_steps > 0
 
@@ -325,19 +335,9 @@ def test_a_relaxed_rule_verifies_the_first_draft_alone(target, draft) -> None:
     """Relaxed rules judge a chain; a tree proposal under one is verified as its first draft."""
     prompt = [5, 9, 14, 5, 9, 14, 5]
     drafter = TreeDrafter(DraftModelDrafter(ModelRunner(draft)), _history_drafter())
-    events = list(
-        speculative_generate(
-            ModelRunner(target),
-            prompt,
-            params=SamplingParams(temperature=0.0),
-            generator=make_generator(0),
-            max_new_tokens=12,
-            drafter=drafter,
-            schedule=FixedSchedule(4),
-            rule=TopKRule(),
-        )
-    )
-    counters = events[-1].counters
+    last = _greedy(target, prompt, drafter, 12, 4, rule=TopKRule())
+    counters = last.counters
     assert counters.tree_steps == 0
     assert counters.num_drafts > 0
-    assert len(events[-1].output_ids) == 12
+    assert last.output_ids is not None
+    assert len(last.output_ids) == 12
