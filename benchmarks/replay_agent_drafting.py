@@ -46,6 +46,7 @@ from specagent.decoding.costs import CostModel
 from specagent.decoding.loop import DecodeCounters, speculative_generate
 from specagent.decoding.registry import DRAFTERS
 from specagent.decoding.sampling import SamplingParams
+from specagent.decoding.tree import row_depths
 from specagent.machine import machine_info
 
 TENANT = "replay"
@@ -130,10 +131,7 @@ class OracleTarget:
         cache.length += len(input_ids)
         rows = len(input_ids) if keep is None else keep
         # Each row's depth past the first fed token (a token tree's rows sit at their depth).
-        depths = list(range(len(input_ids)))
-        if tree is not None:
-            for row, parent in enumerate(tree):
-                depths[row] = depths[parent] + 1 if parent >= 0 else 0
+        depths = row_depths(tree) if tree is not None else list(range(len(input_ids)))
         logits = torch.zeros(rows, self.vocab_size)
         for i in range(rows):
             after = start + depths[len(input_ids) - rows + i] + 1

@@ -168,7 +168,7 @@ class ModelRunner:
     def _tree_forward(
         self, input_ids: list[int], cache: DynamicCache, parents: list[int]
     ) -> torch.Tensor:
-        from .tree import tree_mask  # tree.py builds on this module (crop_to)
+        from .tree import row_depths, tree_mask  # tree.py builds on this module (crop_to)
 
         if len(parents) != len(input_ids):
             raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
@@ -181,9 +181,7 @@ class ModelRunner:
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
         dtype = self._dtype if implementation == "eager" else None  # eager adds; sdpa selects
         mask = tree_mask(parents, length, dtype, width)
-        depths = [0] * len(parents)
-        for row, parent in enumerate(parents):
-            depths[row] = depths[parent] + 1 if parent >= 0 else 0
+        depths = row_depths(parents)
         kwargs: dict[str, Any] = {
             self._cache_kw: cache,
             "use_cache": True,

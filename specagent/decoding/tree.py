@@ -34,7 +34,7 @@ from .cache import crop_to
 from .drafters import Proposal
 from .sampling import sample
 
-__all__ = ["DraftTree", "TreeVerdict", "keep_path", "tree_mask", "verify_tree"]
+__all__ = ["DraftTree", "TreeVerdict", "keep_path", "row_depths", "tree_mask", "verify_tree"]
 
 
 @dataclass
@@ -87,10 +87,7 @@ class DraftTree:
 
     def depths(self) -> list[int]:
         """Each row's depth below the root (the root's is 0)."""
-        out = [0]
-        for parent in self.parents:
-            out.append(out[parent + 1] + 1)
-        return out
+        return row_depths(self.row_parents())
 
     def row_parents(self) -> list[int]:
         """Each forward row's parent row (-1 for the root row)."""
@@ -119,6 +116,14 @@ class TreeVerdict:
     @property
     def num_accepted(self) -> int:
         return len(self.path)
+
+
+def row_depths(row_parents: list[int]) -> list[int]:
+    """Each row's depth below the root row (its position past the cache)."""
+    depths: list[int] = []
+    for parent in row_parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 0)
+    return depths
 
 
 def tree_mask(
