@@ -78,11 +78,7 @@ class SuffixDrafter:
         found = continuation(self._indexes(), context, limit)
         if not found.tokens:
             return found, 0.0
-        calibration = self.calibration()
-        gains, chance = [1.0], 1.0
-        for confidence in found.confidences:
-            chance *= min(confidence * calibration, 0.999)
-            gains.append(gains[-1] + chance)
+        gains = self.gains(found.confidences)
         costs = [self.costs.verify_cost(n + 1) for n in range(len(gains))]
         if after is not None:
             costs = [cost + after(gain) for cost, gain in zip(costs, gains, strict=True)]
@@ -114,20 +110,16 @@ class SuffixDrafter:
         if not other.tokens:
             return main
         calibration = self.calibration()
-        gains, chance, reach = [1.0], 1.0, 1.0
-        for confidence in found.confidences:
-            chance *= min(confidence * calibration, 0.999)
-            gains.append(gains[-1] + chance)
+        reach = 1.0
         shared = 0
         for mine, theirs in zip(found.tokens, other.tokens, strict=False):
             if mine != theirs:
                 break
             shared += 1
             reach *= min(found.confidences[shared - 1] * calibration, 0.999)
-        tree_gains, chance = [gains[-1]], reach
-        for confidence in other.confidences[shared:]:
-            chance *= min(confidence * calibration, 0.999)
-            tree_gains.append(tree_gains[-1] + chance)
+        tree_gains = self.gains(
+            other.confidences[shared:], self.gains(found.confidences)[-1], reach
+        )
         n = len(found.tokens)
         costs = [
             self.costs.verify_cost(n + 1 + extra) + (after(gain) if after is not None else 0.0)
@@ -138,6 +130,19 @@ class SuffixDrafter:
             return main
         branch = Proposal(other.tokens[: shared + extra], source="history")
         return dataclasses.replace(main, tree=DraftTree.of([main, branch]))
+
+    def gains(
+        self, confidences: Sequence[float], start: float = 1.0, reach: float = 1.0
+    ) -> list[float]:
+        """Expected tokens of a step after each further history token: ``start``, then each
+        token adds the chance that it and those before it are accepted (``reach`` times their
+        calibrated vote shares, each capped below 1)."""
+        calibration = self.calibration()
+        gains, chance = [start], reach
+        for confidence in confidences:
+            chance *= min(confidence * calibration, 0.999)
+            gains.append(gains[-1] + chance)
+        return gains
 
     def calibration(self) -> float:
         """What the target accepted of earlier history drafts per unit of their vote share."""
@@ -279,11 +284,9 @@ class AutoDrafter(StepwiseDrafter):
         n = len(proposal.tokens)
         spent = costs.step_cost(n) - costs.verify_cost(n + 1)  # the draft's forwards
         reach = acceptance**shared * (1.0 - acceptance)
-        calibration = self.history.calibration()
-        gains, chance = [expected_tokens(acceptance, n)], 1.0
-        for confidence in found.confidences[shared:]:
-            chance *= min(confidence * calibration, 0.999)
-            gains.append(gains[-1] + reach * chance)
+        gains = self.history.gains(
+            found.confidences[shared:], expected_tokens(acceptance, n), reach
+        )
         step_costs = [spent + costs.verify_cost(n + 1 + extra) for extra in range(len(gains))]
         extra = most_per_cost(gains, step_costs)
         if extra == 0:
