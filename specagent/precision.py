@@ -45,7 +45,7 @@ import torch
 
 from .decoding.cache import ModelRunner
 from .decoding.costs import expected_tokens, forward_timer
-from .decoding.kernels import choose_kernels
+from .decoding.kernels import PackedWeights, choose_kernels
 from .decoding.quantized import int8_supported, quantize_linears
 from .machine import ProbeStore
 
@@ -139,7 +139,8 @@ def choose_dtype(
     # kernels feed a single row as two, which changes what a single-token forward costs.
     # v4 (drafts): the long forwards decide where single tokens cost about the same, and the
     # twin for long forwards may be of either dtype. v5 (drafts): int8 weights are a candidate.
-    entry = f"dtype-v3:{role}:{key}" if role == "target" else f"dtype-v5:{role}:{key}"
+    # v4 (targets) and v6 (drafts): packed weights are a kernel of either dtype.
+    entry = f"dtype-v4:{role}:{key}" if role == "target" else f"dtype-v6:{role}:{key}"
     stored = store.get(entry) if store is not None else None
     if isinstance(stored, dict) and stored.get("dtype") in ("float32", "bfloat16"):
         kept = DtypeChoice.from_json(
@@ -254,5 +255,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _time(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
     runner = ModelRunner(model)  # type: ignore[arg-type]
-    _, seconds = choose_kernels(forward_timer(runner), lengths)
+    if runner.device.type == "cpu":
+        runner.packed = PackedWeights.of(model)  # dropped with the runner
+    _, seconds = choose_kernels(forward_timer(runner), lengths, packed=runner.packed is not None)
     return {n: round(t, 5) for n, t in seconds.items()}

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
-from .kernels import LinearPlan
+from .kernels import LinearPlan, PackedWeights
 
 __all__ = [
     "ForwardRequest",
@@ -91,6 +91,9 @@ class ModelRunner:
         self.kernels = kernels or LinearPlan()
         """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
         torch's own). The model object itself is never changed."""
+        self.packed: PackedWeights | None = None
+        """The model's weights packed for oneDNN, where the plan's ``packed_rows`` read them
+        (``kernels.PackedWeights``; set by the cost measurement, None: not packed)."""
         params = _forward_params(type(model))  # type: ignore[arg-type]
         self._cache_kw = cache_keyword(type(model))
         self._has_logits_to_keep = "logits_to_keep" in params
@@ -160,7 +163,7 @@ class ModelRunner:
         rows form a token tree, each row's parent row given (-1: the root, which follows the
         cache); each row then sees the cache and its own ancestors, at its depth's position
         (``tree.py``; all rows' logits are returned)."""
-        with self.kernels.active():
+        with self.kernels.active(self.packed):
             if tree is not None:
                 return self._tree_forward(input_ids, cache, tree)
             return self._forward(input_ids, cache, keep)
@@ -337,7 +340,8 @@ class ModelRunner:
             "position_ids": positions.to(self.device),
             "use_cache": True,
         }
-        all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest)
+        with self.kernels.active(self.packed):
+            all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest)
         results = []
         for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
             results.append(self._finished(all_logits[i]))

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from .cache import ModelRunner, crop_to
-from .kernels import LinearPlan, kernel_choice_steps
+from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 
 __all__ = [
     "MEASURED_LENGTHS",
@@ -159,8 +159,9 @@ def measure_costs(
     ``repeats`` after a warm-up).
 
     Each length (and the prefill lengths of ``PREFILL_LENGTHS``) is timed with torch's linear
-    kernels and with the transposed form of ``kernels.choose_kernels``; the faster is kept, and
-    each runner is left with the kernels its costs were measured under (``ModelRunner.kernels``).
+    kernels, with the transposed form of ``kernels.choose_kernels`` and, where the weights can be
+    packed here, with ``kernels.PackedWeights``; the fastest is kept, and each runner is left with
+    the kernels its costs were measured under (``ModelRunner.kernels``, ``ModelRunner.packed``).
     With a draft and ``max_tokens`` 1, only the target's unit is timed, with its kernels as
     they are.
 
@@ -200,8 +201,14 @@ def measure_steps(
             return timer(n, plan) if n in lengths else prefill_timer(n, plan)
 
         prefills = [n for n in PREFILL_LENGTHS if n > longest]
-        plan, seconds = yield from kernel_choice_steps(time_forward, sorted(lengths) + prefills)
+        if runner.packed is None and runner.device.type == "cpu":
+            runner.packed = PackedWeights.of(runner.model)
+        plan, seconds = yield from kernel_choice_steps(
+            time_forward, sorted(lengths) + prefills, packed=runner.packed is not None
+        )
         runner.kernels = plan
+        if not plan.packed_rows:
+            runner.packed = None  # its memory back: the packed copy won at no length
         return {n: t for n, t in seconds.items() if n in lengths}
 
     if draft is not None and max_tokens <= 1:
@@ -295,10 +302,11 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 4
+COSTS_VERSION = 5
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
 3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
-4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel."""
+4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel.
+5: packed weights are a third form."""
 
 
 class CostBook:
@@ -377,9 +385,18 @@ class CostBook:
                 return
             stored = self.store.get(key) if self.store is not None else None
             if isinstance(stored, dict) and len(stored.get("costs", ())) >= 1:
-                runner.kernels = LinearPlan(frozenset(int(n) for n in stored["transposed_rows"]))
-                self._keep(what, runner, tuple(float(c) for c in stored["costs"]))
-                return
+                plan = LinearPlan(
+                    transposed_rows=frozenset(int(n) for n in stored["transposed_rows"]),
+                    packed_rows=frozenset(int(n) for n in stored.get("packed_rows", ())),
+                )
+                if plan.packed_rows and runner.packed is None:
+                    runner.packed = PackedWeights.of(runner.model)
+                # Costs measured with packed weights that cannot be packed now (memory taken):
+                # they would not hold, so they are measured again.
+                if not plan.packed_rows or runner.packed is not None:
+                    runner.kernels = plan
+                    self._keep(what, runner, tuple(float(c) for c in stored["costs"]))
+                    return
             if draft is None:
                 steps = measure_steps(self.target, None, self.longest)
             else:
@@ -396,8 +413,15 @@ class CostBook:
                     costs = model.verify if draft is None else model.draft
                     self._keep(what, runner, costs)
                     if self.store is not None:
-                        rows = sorted(runner.kernels.transposed_rows)
-                        self.store.put(key, {"costs": list(costs), "transposed_rows": rows})
+                        kernels = runner.kernels
+                        self.store.put(
+                            key,
+                            {
+                                "costs": list(costs),
+                                "transposed_rows": sorted(kernels.transposed_rows),
+                                "packed_rows": sorted(kernels.packed_rows),
+                            },
+                        )
                     return
             yield
 

@@ -1,5 +1,6 @@
-"""Linear kernels chosen by measurement: the transposed form computes the same products, applies
-only where the plan says and only inside a runner's forwards, and is chosen by timing."""
+"""Linear kernels chosen by measurement: the transposed form and the packed weights compute the
+same products, apply only where the plan says and only inside a runner's forwards, and are chosen
+by timing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ from specagent.decoding import kernels
 from specagent.decoding.cache import ModelRunner
 from specagent.decoding.costs import measure_costs
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.kernels import LinearPlan, choose_kernels, transposed_linear
+from specagent.decoding.kernels import (
+    LinearPlan,
+    PackedWeights,
+    choose_kernels,
+    transposed_linear,
+)
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.schedule import FixedSchedule
@@ -85,11 +91,141 @@ def test_greedy_speculation_under_a_plan_equals_plain_greedy(target, draft) -> N
     assert events[-1].output_ids == expected
 
 
-def _timer(linear: dict[int, float], transposed: dict[int, float]):
+def _timer(
+    linear: dict[int, float],
+    transposed: dict[int, float],
+    packed: dict[int, float] | None = None,
+):
     def time_forward(n: int, plan: LinearPlan) -> float:
+        if n in plan.packed_rows:
+            assert packed is not None, "packed weights timed where there are none"
+            return packed[n]
         return (transposed if n in plan.transposed_rows else linear)[n]
 
     return time_forward
+
+
+def _packed(model: torch.nn.Module) -> PackedWeights:
+    packed = PackedWeights.of(model)
+    if packed is None:
+        pytest.skip("oneDNN cannot pack float32 weights on this machine")
+    return packed
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (3, 16), (2, 5, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_weights_compute_the_same_product(shape, with_bias) -> None:
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(16, 24, bias=with_bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 16, generator=gen))
+    x = torch.randn(*shape, generator=gen)
+    packed = _packed(layer)
+    assert len(packed) == 1
+    assert layer.weight in packed
+    assert torch.nn.Linear(16, 24).weight not in packed  # another weight: not this copy
+    assert packed.nbytes == 24 * 16 * 4
+    got = packed.linear(x, layer.weight, layer.bias)
+    expected = F.linear(x, layer.weight, layer.bias)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_apply_to_packed_weights_only(monkeypatch) -> None:
+    calls: list[tuple[int, int]] = []
+    original = PackedWeights.linear
+
+    def spy(self, x, weight, bias=None):
+        calls.append((x.numel() // x.shape[-1], weight.shape[0]))
+        return original(self, x, weight, bias)
+
+    monkeypatch.setattr(PackedWeights, "linear", spy)
+    packed_layer, other_layer = torch.nn.Linear(8, 4), torch.nn.Linear(8, 6)
+    packed = _packed(packed_layer)
+    plan = LinearPlan(packed_rows=frozenset({3}))
+    with plan.active(packed):
+        packed_layer(torch.randn(1, 3, 8))  # 3 rows of a packed weight: from the packed copy
+        packed_layer(torch.randn(2, 8))  # 2 rows: torch's own
+        other_layer(torch.randn(3, 8))  # a weight the copy does not hold: torch's own
+    with plan.active():  # no packed weights given: the plan's packed rows change nothing
+        packed_layer(torch.randn(3, 8))
+    assert calls == [(3, 4)]
+    assert not plan.transposed_rows
+    assert plan
+
+
+def test_weights_are_not_packed_without_the_memory_for_the_copy(monkeypatch) -> None:
+    layer = torch.nn.Linear(64, 64)
+    monkeypatch.setattr(kernels, "available_memory", lambda: 64 * 64 * 4)  # less than 1.5x
+    assert PackedWeights.of(layer) is None
+    monkeypatch.setattr(kernels, "available_memory", lambda: None)  # unknown: not packed either
+    assert PackedWeights.of(layer) is None
+    assert PackedWeights.of(torch.nn.ReLU()) is None  # nothing to pack
+
+
+def test_runner_logits_with_packed_weights_match_torch_kernels(target, draft) -> None:
+    packed_everywhere = LinearPlan(packed_rows=frozenset(range(1, 65)))
+    plain, planned = ModelRunner(target), ModelRunner(target, kernels=packed_everywhere)
+    planned.packed = _packed(target)
+    ids = [5, 11, 42, 57, 99, 23, 64, 8]
+    a, b = plain.forward(ids, plain.new_cache()), planned.forward(ids, planned.new_cache())
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    caches = [planned.new_cache(), planned.new_cache()]
+    batched = planned.forward_batch([(ids[:5], caches[0]), (ids[:3], caches[1])])
+    torch.testing.assert_close(batched[0], a[:5], rtol=1e-4, atol=1e-4)
+    # Decoding on, one token at a time and then a verification's rows, from the packed copy.
+    cache = planned.new_cache()
+    planned.forward(ids[:4], cache)
+    step = planned.forward(ids[4:5], cache)
+    rows = planned.forward(ids[5:], cache)
+    torch.testing.assert_close(torch.cat([step, rows]), a[4:], rtol=1e-4, atol=1e-4)
+
+    prompt = [5, 11, 42, 57, 99, 23, 64, 8, 77, 31]
+    expected = target.generate(
+        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    events = list(
+        speculative_generate(
+            planned,
+            prompt,
+            params=SamplingParams(temperature=0.0),
+            generator=torch.Generator().manual_seed(0),
+            max_new_tokens=24,
+            drafter=DraftModelDrafter(ModelRunner(draft)),
+            schedule=FixedSchedule(5),
+        )
+    )
+    assert events[-1].output_ids == expected
+
+
+def test_packed_weights_are_chosen_where_fastest() -> None:
+    """Three forms timed per length: packed weights win one row and 4+, the transposed form 2-3
+    (as each measured somewhere on the EPYC); the untimed lengths follow the timed one below."""
+    lengths = [1, 2, 3, 4, 8]
+    torch_times = {n: 1.0 * n for n in lengths}
+    transposed = {1: 1.2, 2: 1.0, 3: 1.05, 4: 1.3, 8: 1.9}
+    packed = {1: 0.8, 2: 1.2, 3: 1.3, 4: 1.1, 8: 1.4}
+    plan, times = choose_kernels(_timer(torch_times, transposed, packed), lengths, packed=True)
+    assert plan.packed_rows == frozenset({1, 4, 5, 6, 7, 8})
+    assert plan.transposed_rows == frozenset({2, 3})
+    assert times == {1: 0.8, 2: 1.0, 3: 1.05, 4: 1.1, 8: 1.4}
+    # Without packed weights the packed form is never timed.
+    plan, _ = choose_kernels(_timer(torch_times, transposed), lengths)
+    assert not plan.packed_rows
+
+
+def test_measured_costs_keep_packed_weights_only_where_chosen(target, monkeypatch) -> None:
+    runner = ModelRunner(target)
+    if PackedWeights.of(target) is None:
+        pytest.skip("oneDNN cannot pack float32 weights on this machine")
+    monkeypatch.setattr(kernels, "MIN_GAIN", 0.0)  # no form can win: torch's kernels stay
+    measure_costs(runner, None, 4, repeats=1)
+    assert not runner.kernels
+    assert runner.packed is None
+    monkeypatch.setattr(kernels, "MIN_GAIN", 1e9)  # every form wins over torch's
+    measure_costs(runner, None, 4, repeats=1)
+    assert runner.kernels
+    assert (runner.packed is not None) == bool(runner.kernels.packed_rows)
 
 
 def test_kernels_are_chosen_per_length_by_time() -> None:
