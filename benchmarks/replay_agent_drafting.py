@@ -309,7 +309,8 @@ def earliest_continuation(context: Sequence[int], limit: int, ngram: int) -> lis
 def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
     """Replay plain, prompt lookup and the agent bench's policies over the recorded traces."""
     traces = json.loads(path.read_text())
-    policies = agent_policies(True)
+    # The bench's own plain policy is the replay's "plain": in target steps they are one.
+    policies = [p for p in agent_policies(True) if p.drafter.kind != "none"]
     auto = policies[0]
     trees = auto.drafter.model_copy(update={"tree": True})
     policies.insert(1, auto.model_copy(update={"name": "lossless-auto-trees", "drafter": trees}))

@@ -78,15 +78,23 @@ def load_episodes(path: str | Path | None = None) -> list[Episode]:
 
 def agent_policies(has_draft: bool) -> list[Policy]:
     """``lossless-auto``: history (this tenant's earlier calls and the call's own text), the
-    draft model when there is one, or plain decoding, per step; and, with a draft model,
-    ``lossless-draft_model`` (the draft model alone) to show what history adds."""
+    draft model when there is one, or plain decoding, per step; ``lossless-plain``: the
+    runtime's own plain decoding (no drafts), to show what its measured kernels alone give
+    beside what drafting adds; and, with a draft model, ``lossless-draft_model`` (the draft
+    model alone) to show what history adds."""
     policies = [
         Policy(
             name="lossless-auto",
             description="agent bench",
             mode="lossless",
             drafter=DrafterConfig(kind="auto", num_speculative_tokens=20, history="tenant"),
-        )
+        ),
+        Policy(
+            name="lossless-plain",
+            description="agent bench: no drafts",
+            mode="lossless",
+            drafter=DrafterConfig(kind="none"),
+        ),
     ]
     if has_draft:
         policies.append(

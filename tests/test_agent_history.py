@@ -230,6 +230,8 @@ def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
         "specagent_lossless-draft_model",
         "specagent_lossless-auto+reuse",
         "specagent_lossless-draft_model+reuse",
+        "specagent_lossless-plain",
+        "specagent_lossless-plain+reuse",
     }
     for rows in result.episodes.values():
         assert set(rows) == methods
