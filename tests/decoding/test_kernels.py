@@ -71,12 +71,15 @@ def test_runner_logits_with_a_plan_match_torch_kernels(target) -> None:
 def test_greedy_speculation_under_a_plan_equals_plain_greedy(target, draft) -> None:
     """Only the rounding order changes: greedy tokens stay the target's (tiny fp32 model)."""
     everywhere = LinearPlan(frozenset(range(1, 65)))
+    runner = ModelRunner(target, kernels=everywhere)
+    _assert_greedy_equals_plain(target, runner, ModelRunner(draft, kernels=everywhere))
+
+
+def _assert_greedy_equals_plain(target, runner: ModelRunner, draft_runner: ModelRunner) -> None:
     prompt = [5, 11, 42, 57, 99, 23, 64, 8, 77, 31]
     expected = target.generate(
         torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
     )[0, len(prompt) :].tolist()
-    runner = ModelRunner(target, kernels=everywhere)
-    drafter = DraftModelDrafter(ModelRunner(draft, kernels=everywhere))
     events = list(
         speculative_generate(
             runner,
@@ -84,7 +87,7 @@ def test_greedy_speculation_under_a_plan_equals_plain_greedy(target, draft) -> N
             params=SamplingParams(temperature=0.0),
             generator=torch.Generator().manual_seed(0),
             max_new_tokens=24,
-            drafter=drafter,
+            drafter=DraftModelDrafter(draft_runner),
             schedule=FixedSchedule(5),
         )
     )
@@ -179,23 +182,7 @@ def test_runner_logits_with_packed_weights_match_torch_kernels(target, draft) ->
     step = planned.forward(ids[4:5], cache)
     rows = planned.forward(ids[5:], cache)
     torch.testing.assert_close(torch.cat([step, rows]), a[4:], rtol=1e-4, atol=1e-4)
-
-    prompt = [5, 11, 42, 57, 99, 23, 64, 8, 77, 31]
-    expected = target.generate(
-        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0
-    )[0, len(prompt) :].tolist()
-    events = list(
-        speculative_generate(
-            planned,
-            prompt,
-            params=SamplingParams(temperature=0.0),
-            generator=torch.Generator().manual_seed(0),
-            max_new_tokens=24,
-            drafter=DraftModelDrafter(ModelRunner(draft)),
-            schedule=FixedSchedule(5),
-        )
-    )
-    assert events[-1].output_ids == expected
+    _assert_greedy_equals_plain(target, planned, ModelRunner(draft))
 
 
 def test_packed_weights_are_chosen_where_fastest() -> None:
