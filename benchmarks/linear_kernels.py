@@ -93,7 +93,7 @@ def main() -> None:
         "dtype": args.dtype,
         "context_tokens": args.context,
         "packed_bytes": runner.packed.nbytes if runner.packed is not None else None,
-        "seconds": seconds,
+        "forward_seconds": seconds,
         "relative_to_torch_single_token": {
             name: {n: round(t / seconds["torch"][args.lengths[0]], 3) for n, t in times.items()}
             for name, times in seconds.items()
@@ -106,7 +106,7 @@ def main() -> None:
             "seconds": {n: round(t, 4) for n, t in chosen.items()},
         },
     }
-    name = args.name or f"linear_kernels_{args.target}_{args.dtype}"
+    name = args.name or f"linear_kernels_{Path(args.target).name}_{args.dtype}"
     print(f"wrote {write_result(result, args.out, name, started)}")
 
 
