@@ -21,9 +21,9 @@ only the order of the additions, and so the last bits of rounding, differ.
 
 A third form keeps a copy of every weight in the layout oneDNN's matrix kernels read best
 (``PackedWeights``; the one torch's own compiler uses for frozen CPU models), so no call
-re-packs the weights on the way. On the 2-core AVX2 EPYC, Qwen2.5 1.5B in float32: a
-single-token forward 0.50 s instead of 0.58 (torch) and 0.59 (transposed); 2 to 8 tokens
-0.57-0.78 s instead of 0.56-0.99 (transposed). The copy costs the weights' size in memory
+re-packs the weights on the way. On the 2-core AVX2 EPYC, Qwen2.5 1.5B in float32, in one
+probe: a single-token forward 0.50 s instead of 0.58 (torch) and 0.59 (transposed); 2 to 8
+tokens 0.57-0.78 s instead of 0.56-0.99 (transposed). The copy costs the weights' size in memory
 again, so it is made only where that much memory is free (``PACK_HEADROOM``), kept only at the
 lengths where it measures clearly faster, and dropped when it wins at none.
 """
@@ -89,10 +89,16 @@ class PackedWeights:
 
     Built with ``PackedWeights.of(model)``, which answers None where the CPU's oneDNN cannot pack
     the weights' dtype (bf16 without native support), where there is no weight to pack, or where
-    the memory for the copy is not free. The model is not changed."""
+    the memory for the copy is not free. The model is not changed. A weight changed in place
+    after packing (its ``_version`` moved on) is no longer held: its products go back to torch's
+    kernels, so a stale copy never computes them."""
 
-    def __init__(self, packed: dict[int, tuple[torch.Tensor, torch.Tensor]], nbytes: int) -> None:
-        self._packed = packed  # id(weight) -> (weight, packed): the weight keeps the id valid
+    def __init__(
+        self, packed: dict[int, tuple[torch.Tensor, torch.Tensor, int]], nbytes: int
+    ) -> None:
+        # id(weight) -> (weight, packed copy, the weight's version when packed); the weight
+        # itself is kept so that its id stays its own.
+        self._packed = packed
         self.nbytes = nbytes
         """Memory the packed copy takes (the weights' own size)."""
 
@@ -101,7 +107,7 @@ class PackedWeights:
 
     def __contains__(self, weight: torch.Tensor) -> bool:
         entry = self._packed.get(id(weight))
-        return entry is not None and entry[0] is weight
+        return entry is not None and entry[0] is weight and entry[2] == weight._version
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -112,6 +118,8 @@ class PackedWeights:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> PackedWeights | None:
+        """Pack every 2-D float32/bf16 ``nn.Linear`` weight of ``model`` on the CPU (shared
+        weights once), or None (see the class)."""
         weights = {
             id(module.weight): module.weight
             for module in model.modules()
@@ -131,11 +139,12 @@ class PackedWeights:
                 "unknown" if free is None else f"{free / 1e9:.1f} GB",
             )
             return None
-        packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        packed: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         try:
             with torch.inference_mode():
                 for key, weight in weights.items():
-                    packed[key] = (weight, torch.ops.mkldnn._reorder_linear_weight(weight))
+                    copy = torch.ops.mkldnn._reorder_linear_weight(weight)
+                    packed[key] = (weight, copy, weight._version)
         except RuntimeError as error:  # e.g. bf16 on a CPU without native bf16
             log.info("linear weights not packed: %s", error)
             return None

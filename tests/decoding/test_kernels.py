@@ -132,6 +132,11 @@ def test_packed_weights_compute_the_same_product(shape, with_bias) -> None:
     expected = F.linear(x, layer.weight, layer.bias)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # changed in place: the copy is stale, so no longer held
+    assert layer.weight not in packed
+    with LinearPlan(packed_rows=frozenset({1, 3, 10})).active(packed):
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_packed_rows_apply_to_packed_weights_only(monkeypatch) -> None:
