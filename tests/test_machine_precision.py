@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import PinnedCosts, make_model
 
 from specagent import SpecRuntime
 from specagent.decoding import costs as costs_module
@@ -209,7 +209,10 @@ def test_int8_is_for_a_draft_only_and_says_so(tokenizer, tmp_path: Path) -> None
 
 
 @pytest.mark.skipif(not int8_supported(torch.device("cpu")), reason="no CPU int8 weight kernel")
-def test_a_draft_asked_for_in_int8_runs_quantized(tokenizer, tmp_path: Path) -> None:
+def test_a_draft_asked_for_in_int8_runs_quantized(tokenizer, tmp_path: Path, monkeypatch) -> None:
+    # Its own cache: costs this machine stored for these shapes earlier (where a draft as
+    # large as its target does not pay) must not turn drafting off; pinned costs make it pay.
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path / "cache"))
     for name, seed in (("target", 0), ("draft", 1)):
         make_model(len(tokenizer), seed=seed).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
@@ -220,6 +223,7 @@ def test_a_draft_asked_for_in_int8_runs_quantized(tokenizer, tmp_path: Path) -> 
         dtype="float32",
         draft_dtype="int8",
         policies=DRAFTING,
+        probe_store=PinnedCosts(),
     )
     assert runtime.draft is not None
     assert has_int8_weights(runtime.draft)
