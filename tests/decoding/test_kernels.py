@@ -59,13 +59,19 @@ def test_plan_applies_at_its_rows_and_only_inside_the_context(monkeypatch) -> No
 
 def test_runner_logits_with_a_plan_match_torch_kernels(target) -> None:
     everywhere = LinearPlan(frozenset(range(1, 65)))
-    plain, planned = ModelRunner(target), ModelRunner(target, kernels=everywhere)
+    _assert_logits_match_torch(target, ModelRunner(target, kernels=everywhere))
+
+
+def _assert_logits_match_torch(target, planned: ModelRunner) -> torch.Tensor:
+    """``planned``'s logits, alone and batched, against torch's kernels; returns torch's."""
+    plain = ModelRunner(target)
     ids = [5, 11, 42, 57, 99, 23, 64, 8]
     a, b = plain.forward(ids, plain.new_cache()), planned.forward(ids, planned.new_cache())
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     caches = [planned.new_cache(), planned.new_cache()]
     batched = planned.forward_batch([(ids[:5], caches[0]), (ids[:3], caches[1])])
     torch.testing.assert_close(batched[0], a[:5], rtol=1e-4, atol=1e-4)
+    return a
 
 
 def test_greedy_speculation_under_a_plan_equals_plain_greedy(target, draft) -> None:
@@ -173,14 +179,10 @@ def test_weights_are_not_packed_without_the_memory_for_the_copy(monkeypatch) -> 
 
 def test_runner_logits_with_packed_weights_match_torch_kernels(target, draft) -> None:
     packed_everywhere = LinearPlan(packed_rows=frozenset(range(1, 65)))
-    plain, planned = ModelRunner(target), ModelRunner(target, kernels=packed_everywhere)
+    planned = ModelRunner(target, kernels=packed_everywhere)
     planned.packed = _packed(target)
+    a = _assert_logits_match_torch(target, planned)
     ids = [5, 11, 42, 57, 99, 23, 64, 8]
-    a, b = plain.forward(ids, plain.new_cache()), planned.forward(ids, planned.new_cache())
-    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    caches = [planned.new_cache(), planned.new_cache()]
-    batched = planned.forward_batch([(ids[:5], caches[0]), (ids[:3], caches[1])])
-    torch.testing.assert_close(batched[0], a[:5], rtol=1e-4, atol=1e-4)
     # Decoding on, one token at a time and then a verification's rows, from the packed copy.
     cache = planned.new_cache()
     planned.forward(ids[:4], cache)
