@@ -302,11 +302,12 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 5
+COSTS_VERSION = 6
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
 3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
 4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel.
-5: packed weights are a third form."""
+5: packed weights are a third form.
+6: each length's form is chosen by the vote of two or three passes (``kernel_choice_steps``)."""
 
 
 class CostBook:

@@ -4,6 +4,8 @@ by timing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -235,17 +237,49 @@ def test_kernels_are_chosen_per_length_by_time() -> None:
     assert times[8] == pytest.approx(1.4)
 
 
+def _readings(*values: float) -> Callable[[int, LinearPlan], float]:
+    """A ``time_forward`` that answers these readings in order, whatever it is asked."""
+    answers = iter(values)
+    return lambda n, plan: next(answers)
+
+
 def test_a_transposed_win_that_does_not_repeat_is_not_kept() -> None:
-    """The first pair of timings caught torch's kernels in a slow moment; timed again in the
-    opposite order, the transposed form is no faster: torch's kernels stay."""
-    readings = iter([1.0, 0.8, 1.0, 1.0, 1.0, 0.5, 0.5, 1.0])  # length 1, then length 2
-
-    def time_forward(n: int, plan: LinearPlan) -> float:
-        return next(readings)
-
-    plan, times = choose_kernels(time_forward, [1, 2])
+    """The first pass caught torch's kernels in a slow moment; the second, in the opposite
+    order, finds the transposed form no faster and the third agrees: torch's kernels stay. At
+    two rows both passes agree, so there is no third."""
+    readings = _readings(
+        *(1.0, 0.8, 1.0, 1.0, 1.0, 1.0),  # one row: torch, transposed; transposed, torch; ...
+        *(1.0, 0.5, 0.5, 1.0),  # two rows
+    )
+    plan, times = choose_kernels(readings, [1, 2])
     assert plan.transposed_rows == frozenset({2})
     assert times == {1: 1.0, 2: 0.5}
+
+
+def test_a_win_hidden_by_one_slow_pass_is_kept() -> None:
+    """A burst slowed the packed weights in the first pass only: the two later passes find
+    them clearly fastest, and the kept time is their fastest reading."""
+    readings = _readings(
+        *(1.0, 1.1, 1.3),  # torch, transposed, packed (the burst)
+        *(0.6, 1.1, 1.0),  # packed, transposed, torch
+        *(1.0, 1.1, 0.7),  # torch, transposed, packed
+    )
+    plan, times = choose_kernels(readings, [3], packed=True)
+    assert plan.packed_rows == frozenset({3})
+    assert times == {3: 0.6}
+
+
+def test_a_three_way_split_keeps_torch() -> None:
+    """Each pass votes for another form (transposed, packed, torch's): no form has two votes,
+    so torch's kernels stay, at their fastest reading."""
+    readings = _readings(
+        *(1.0, 0.5, 1.0),  # torch, transposed, packed
+        *(0.5, 1.0, 1.0),  # packed, transposed, torch
+        *(0.9, 1.0, 1.0),  # torch, transposed, packed
+    )
+    plan, times = choose_kernels(readings, [2], packed=True)
+    assert not plan
+    assert times == {2: 0.9}
 
 
 def test_kernels_stay_torch_where_the_transposed_form_is_slower() -> None:
