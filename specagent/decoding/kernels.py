@@ -262,7 +262,7 @@ def kernel_choice_steps(
         # a third settles a split. A 2-core machine shares memory bandwidth with its
         # neighbours: one timing that caught them busy once kept a bf16 target's single-token
         # step 6% slower, and on a Zen 4 EPYC bursts kept torch's kernels at 2, 3, 7 and 8
-        # rows where the packed weights were 20-40% faster. A vote compares timings taken
+        # rows where the packed weights were 15-40% faster. A vote compares timings taken
         # seconds apart, under the same neighbours; a burst sways one pass, not two.
         for order in (1, -1, 1):
             if len(votes) == 2 and votes[0] == votes[1]:
