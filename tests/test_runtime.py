@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Generator
 
 import anyio
 import numpy as np
@@ -512,3 +513,27 @@ async def test_a_failing_call_does_not_take_others_down(target, draft, tokenizer
     assert outcomes["ok-1"].usage.output_tokens > 0  # type: ignore[union-attr]
     assert outcomes["ok-2"].usage.output_tokens > 0  # type: ignore[union-attr]
     assert rt._worker is None  # closed cleanly by the async with
+
+
+def test_workers_still_busy_are_stopped_at_interpreter_exit() -> None:
+    """A worker still measuring in the background when the interpreter exits is stopped by the
+    exit hook (between two slices of its work), not unwound mid-forward at finalization."""
+    from specagent.runtime._worker import Worker, _stop_at_exit
+
+    slices = 0
+
+    def measuring() -> Generator[None, None, None]:
+        nonlocal slices
+        while True:  # never done on its own
+            slices += 1
+            time.sleep(0.01)
+            yield
+
+    worker = Worker(
+        lambda request: None, max_active=1, max_queue=1, batching=False, background=measuring()
+    )
+    while slices < 3:
+        time.sleep(0.01)
+    _stop_at_exit()
+    assert not worker.thread.is_alive()
+    assert worker.background is None  # closed, to be measured again by a later worker

@@ -17,10 +17,12 @@ alone, never padded into a batch with other calls.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,25 @@ from .portal import current_async_library
 __all__ = ["AsyncSink", "Job", "Worker"]
 
 log = logging.getLogger("specagent.runtime")
+
+_LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
+"""Workers whose thread may still run, stopped at interpreter exit (``_stop_at_exit``)."""
+
+EXIT_JOIN_S = 30.0
+"""How long the exit hook waits for a worker to finish the forward it is in."""
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every live worker before the interpreter finalizes. A daemon thread still inside a
+    forward (a call, or the cost measurement running in the background) is otherwise unwound
+    mid-frame at finalization, which a C++ terminate handler (Ray's, when Ray is imported)
+    turns into an abort of a process whose work was done."""
+    workers = list(_LIVE)
+    for worker in workers:
+        worker.stop(drain=False)
+    for worker in workers:
+        worker.thread.join(EXIT_JOIN_S)
 
 
 class AsyncSink:
@@ -128,6 +149,7 @@ class Worker:
         self.drain = True
         self.thread = threading.Thread(target=self._run, name="specagent-worker", daemon=True)
         self.thread.start()
+        _LIVE.add(self)
 
     def submit(self, job: Job) -> None:
         with self.cond:
