@@ -30,6 +30,7 @@ lengths where it measures clearly faster, and dropped when it wins at none.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
@@ -274,8 +275,8 @@ def kernel_choice_steps(
                 yield
             best = min((name for name in seconds if name != "torch"), key=seconds.__getitem__)
             votes.append(best if seconds[best] < MIN_GAIN * seconds["torch"] else "torch")
-        winner = max(set(votes), key=votes.count)
-        if votes.count(winner) >= 2 and winner != "torch":
+        winner, count = collections.Counter(votes).most_common(1)[0]
+        if count >= 2 and winner != "torch":
             chosen[n] = winner
         times[n] = min(readings[chosen.get(n, "torch")])
     for lower, upper in itertools.pairwise(timed):

@@ -59,6 +59,10 @@ def test_plan_applies_at_its_rows_and_only_inside_the_context(monkeypatch) -> No
     assert not LinearPlan()  # an empty plan changes nothing and enters no mode
 
 
+TOKENS = [5, 11, 42, 57, 99, 23, 64, 8]
+"""The tokens the logits comparisons feed."""
+
+
 def test_runner_logits_with_a_plan_match_torch_kernels(target) -> None:
     everywhere = LinearPlan(frozenset(range(1, 65)))
     _assert_logits_match_torch(target, ModelRunner(target, kernels=everywhere))
@@ -67,7 +71,7 @@ def test_runner_logits_with_a_plan_match_torch_kernels(target) -> None:
 def _assert_logits_match_torch(target, planned: ModelRunner) -> torch.Tensor:
     """``planned``'s logits, alone and batched, against torch's kernels; returns torch's."""
     plain = ModelRunner(target)
-    ids = [5, 11, 42, 57, 99, 23, 64, 8]
+    ids = TOKENS
     a, b = plain.forward(ids, plain.new_cache()), planned.forward(ids, planned.new_cache())
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     caches = [planned.new_cache(), planned.new_cache()]
@@ -184,7 +188,7 @@ def test_runner_logits_with_packed_weights_match_torch_kernels(target, draft) ->
     planned = ModelRunner(target, kernels=packed_everywhere)
     planned.packed = _packed(target)
     a = _assert_logits_match_torch(target, planned)
-    ids = [5, 11, 42, 57, 99, 23, 64, 8]
+    ids = TOKENS
     # Decoding on, one token at a time and then a verification's rows, from the packed copy.
     cache = planned.new_cache()
     planned.forward(ids[:4], cache)
