@@ -22,6 +22,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
 from .kernels import LinearPlan, PackedWeights
+from .quantized import Int8Linear
+from .vocab import restricted_logits
 
 __all__ = [
     "ForwardRequest",
@@ -102,7 +104,7 @@ class ModelRunner:
         self.vocab_size = vocab_size or own_vocab
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = next(model.parameters()).device
-        self._body = self._decoder_body()
+        self._body = _decoder_body(model)
         body = self._body
         self._base_cache_kw = cache_keyword(type(body)) if body is not None else "past_key_values"
         self._gather_checked: bool | None = None
@@ -111,6 +113,55 @@ class ModelRunner:
         self.compiled: CompiledStep | None = None
         """The compiled single-token step over static caches, where it measured faster
         (``compiled.choose_compiled_step``); None: eager steps over dynamic caches."""
+        self.head_rows: int | None = None
+        """A draft's logits cover only its head's first ``head_rows`` rows, the always-kept ids
+        and each request's own ids (``vocab``), projected onto those alone; -inf elsewhere
+        (``use_head_rows``, ``vocab.py``). None: the whole vocabulary."""
+        self._head_always = torch.tensor([], dtype=torch.long)
+
+    def use_head_rows(self, rows: int, always: Sequence[int] = ()) -> bool:
+        """Project this runner's logits onto the head's first ``rows`` rows, the ``always``
+        ids (end of sequence) and each request's own ids (``vocab``). Only for a draft: a
+        target's logits define the output. Kept only where the head is a plain ``nn.Linear``
+        or ``Int8Linear`` over the decoder body's last hidden state (checked on a short
+        forward against the model's own logits) and ``rows`` is fewer than it has; returns
+        whether it was kept."""
+        head = self.model.get_output_embeddings()
+        if self._body is None or not isinstance(head, nn.Linear | Int8Linear):
+            return False
+        vocab = int(head.weight.shape[0])
+        if not 0 < rows < vocab:
+            return False
+        ids = torch.arange(1, 9, device=self.device)[None] % vocab
+        with torch.inference_mode():
+            full = self.model(input_ids=ids, use_cache=False).logits[0].float()
+            hidden = self._body(input_ids=ids, use_cache=False).last_hidden_state[0]
+            projected = head(hidden).float()
+        if not torch.allclose(projected, full, atol=1e-3, rtol=1e-3):
+            return False
+        self.head_rows = rows
+        self._head_always = torch.tensor(
+            sorted({int(i) for i in always if rows <= int(i) < vocab}), dtype=torch.long
+        )
+        return True
+
+    def _restricted(
+        self, head: nn.Module, hidden: torch.Tensor, pieces: list[tuple[int, torch.Tensor | None]]
+    ) -> torch.Tensor:
+        assert self.head_rows is not None
+        return restricted_logits(head, hidden, self.head_rows, self._head_always, pieces)
+
+    def _masked(self, logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """Full logits cut to what ``_restricted`` would cover (paths that run the whole
+        head: a compiled step, a model whose gathered projection differs)."""
+        if self.head_rows is None:
+            return logits
+        kept = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        kept[: self.head_rows] = True
+        kept[self._head_always.to(logits.device)] = True
+        if vocab is not None:
+            kept[vocab.to(logits.device)] = True
+        return logits.masked_fill(~kept, float("-inf"))
 
     @property
     def takes_trees(self) -> bool:
@@ -156,17 +207,19 @@ class ModelRunner:
         cache: DynamicCache,
         keep: int | None = None,
         tree: list[int] | None = None,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Feed ``input_ids`` after what ``cache`` holds; returns logits ``[n_kept, V]``.
 
         ``keep`` = how many trailing positions need logits (None: all of them). ``tree``: the
         rows form a token tree, each row's parent row given (-1: the root, which follows the
         cache); each row then sees the cache and its own ancestors, at its depth's position
-        (``tree.py``; all rows' logits are returned)."""
+        (``tree.py``; all rows' logits are returned). ``vocab``: the call's own ids beyond
+        ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
         with self.kernels.active(self.packed):
             if tree is not None:
-                return self._tree_forward(input_ids, cache, tree)
-            return self._forward(input_ids, cache, keep)
+                return self._masked(self._tree_forward(input_ids, cache, tree), vocab)
+            return self._forward(input_ids, cache, keep, vocab)
 
     def _tree_forward(
         self, input_ids: list[int], cache: DynamicCache, parents: list[int]
@@ -195,10 +248,16 @@ class ModelRunner:
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         return self._finished(self.model(input_ids=ids, **kwargs).logits[0])
 
-    def _forward(self, input_ids: list[int], cache: DynamicCache, keep: int | None) -> torch.Tensor:
+    def _forward(
+        self,
+        input_ids: list[int],
+        cache: DynamicCache,
+        keep: int | None,
+        vocab: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         twin = self.prefill_twin
         if twin is not None and len(input_ids) >= twin.from_rows:
-            return self._twin_forward(twin.model, input_ids, cache, keep)
+            return self._twin_forward(twin.model, input_ids, cache, keep, vocab)
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
             if (
@@ -208,14 +267,27 @@ class ModelRunner:
                 and self.compiled.fits(cache)
             ):
                 step = self.compiled.step(input_ids[0], cache, self.device)  # type: ignore[arg-type]
-                return self._finished(step)
-        return self._run(self.model, input_ids, cache, keep)
+                return self._finished(self._masked(step, vocab))
+        return self._run(self.model, input_ids, cache, keep, vocab)
 
     def _run(
-        self, model: PreTrainedModel, input_ids: list[int], cache: DynamicCache, keep: int | None
+        self,
+        model: PreTrainedModel,
+        input_ids: list[int],
+        cache: DynamicCache,
+        keep: int | None,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of ``model`` over ``input_ids`` after ``cache``: the kept logits."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        body = self._body if model is self.model else _decoder_body(model)
+        if self.head_rows is not None and body is not None:
+            kw = {self._base_cache_kw: cache, "use_cache": True}
+            hidden = body(input_ids=ids, **kw).last_hidden_state[0]
+            if keep is not None:
+                hidden = hidden[-keep:] if keep > 0 else hidden[:0]
+            head = model.get_output_embeddings()
+            return self._finished(self._restricted(head, hidden, [(hidden.shape[0], vocab)]))
         kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
         if keep is not None and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = keep
@@ -231,7 +303,12 @@ class ModelRunner:
         return logits.float()
 
     def _twin_forward(
-        self, twin: PreTrainedModel, input_ids: list[int], cache: DynamicCache, keep: int | None
+        self,
+        twin: PreTrainedModel,
+        input_ids: list[int],
+        cache: DynamicCache,
+        keep: int | None,
+        vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``_forward`` through ``twin``: the cached KV cast to its dtype, the new KV cast back
         and appended to ``cache``."""
@@ -244,7 +321,7 @@ class ModelRunner:
                 temp.update(
                     held.keys[:, :, :length].to(dtype), held.values[:, :, :length].to(dtype), index
                 )
-        logits = self._run(twin, input_ids, temp, keep)
+        logits = self._run(twin, input_ids, temp, keep, vocab)
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
         for index, layer in enumerate(temp.layers):
@@ -261,6 +338,7 @@ class ModelRunner:
         self,
         requests: Sequence[tuple[list[int], DynamicCache]],
         keep: Sequence[int | None] | None = None,
+        vocabs: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """``forward`` for several sequences at once: one model call over all of them, each
         feeding its own tokens after its own cache. Returns each request's logits (``[n_i, V]``,
@@ -275,26 +353,29 @@ class ModelRunner:
 
         The vocabulary projection is the largest matrix product of a small model; it runs only
         over the positions somebody reads (``_gathered_logits``), not over the padding or the
-        positions ``keep`` drops."""
+        positions ``keep`` drops. ``vocabs``: each request's own ids (``forward``'s ``vocab``)."""
         keeps = list(keep) if keep is not None else [None] * len(requests)
+        call_vocabs = list(vocabs) if vocabs is not None else [None] * len(requests)
         twin = self.prefill_twin
         if twin is not None and len(requests) > 1:
             long = [i for i, (tokens, _) in enumerate(requests) if len(tokens) >= twin.from_rows]
             if long:  # prefills run alone through the twin; the rest as one batch
                 rest = [i for i in range(len(requests)) if i not in long]
                 out: dict[int, torch.Tensor] = {
-                    i: self._forward(requests[i][0], requests[i][1], keeps[i]) for i in long
+                    i: self._forward(*requests[i], keeps[i], call_vocabs[i]) for i in long
                 }
                 if rest:
                     batched = self.forward_batch(
-                        [requests[i] for i in rest], [keeps[i] for i in rest]
+                        [requests[i] for i in rest],
+                        [keeps[i] for i in rest],
+                        [call_vocabs[i] for i in rest],
                     )
                     out.update(zip(rest, batched, strict=True))
                 return [out[i] for i in range(len(requests))]
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
             return [
-                self._forward(tokens, cache, k)
-                for (tokens, cache), k in zip(requests, keeps, strict=True)
+                self._forward(tokens, cache, k, v)
+                for (tokens, cache), k, v in zip(requests, keeps, call_vocabs, strict=True)
             ]
         lengths = [int(cache.get_seq_length()) for _, cache in requests]
         for tokens, cache in requests:
@@ -341,7 +422,7 @@ class ModelRunner:
             "use_cache": True,
         }
         with self.kernels.active(self.packed):
-            all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest)
+            all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest, call_vocabs)
         results = []
         for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
             results.append(self._finished(all_logits[i]))
@@ -361,17 +442,22 @@ class ModelRunner:
         batch_cache: DynamicCache,
         wanted: list[tuple[int, int, int]],
         widest: int,
+        vocabs: Sequence[torch.Tensor | None],
     ) -> list[torch.Tensor]:
         """Logits of positions ``start:stop`` of each row ``(row, start, stop)`` in ``wanted``.
 
         Runs the decoder body, gathers the wanted hidden states and projects only those. Models
         whose head is more than the output embedding (logit soft-capping, scaling) would give
         other numbers, so the first batch also runs the full model and compares; on any
-        difference this runner keeps using the full model's logits."""
+        difference this runner keeps using the full model's logits. With ``head_rows``, each
+        row's logits cover what its ``vocabs`` entry adds to the kept rows (``_restricted``)."""
         base = self._body
         if base is None or self._gather_checked is False:
             out = self.model(**inputs, **{self._cache_kw: batch_cache})
-            return [out.logits[row, start:stop] for row, start, stop in wanted]
+            return [
+                self._masked(out.logits[row, start:stop], vocab)
+                for (row, start, stop), vocab in zip(wanted, vocabs, strict=True)
+            ]
         check = self._gather_checked is None
         reference_cache = copy.deepcopy(batch_cache) if check else None
         hidden = base(**inputs, **{self._base_cache_kw: batch_cache}).last_hidden_state
@@ -381,8 +467,13 @@ class ModelRunner:
             device=hidden.device,
         )
         head = self.model.get_output_embeddings()
-        flat = head(hidden.reshape(-1, hidden.shape[-1]).index_select(0, index))
-        pieces = list(torch.split(flat, [stop - start for _, start, stop in wanted]))
+        gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+        counts = [stop - start for _, start, stop in wanted]
+        if self.head_rows is not None and not check:
+            flat = self._restricted(head, gathered, list(zip(counts, vocabs, strict=True)))
+            return list(torch.split(flat, counts))
+        flat = head(gathered)
+        pieces = list(torch.split(flat, counts))
         if check:
             full = self.model(**inputs, **{self._cache_kw: reference_cache}).logits
             self._gather_checked = all(
@@ -390,17 +481,18 @@ class ModelRunner:
                 for piece, (row, start, stop) in zip(pieces, wanted, strict=True)
             )
             if not self._gather_checked:
-                return [full[row, start:stop] for row, start, stop in wanted]
-        return pieces
+                pieces = [full[row, start:stop] for row, start, stop in wanted]
+        return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
 
-    def _decoder_body(self) -> nn.Module | None:
-        """The model without its LM head (``model.model`` for Llama-style models), if any."""
-        prefix = getattr(self.model, "base_model_prefix", "model")
-        base = getattr(self.model, prefix, None)
-        head = self.model.get_output_embeddings()
-        if not isinstance(base, nn.Module) or base is self.model or head is None:
-            return None
-        return base
+
+def _decoder_body(model: PreTrainedModel) -> nn.Module | None:
+    """The model without its LM head (``model.model`` for Llama-style models), if any."""
+    prefix = getattr(model, "base_model_prefix", "model")
+    base = getattr(model, prefix, None)
+    head = model.get_output_embeddings()
+    if not isinstance(base, nn.Module) or base is model or head is None:
+        return None
+    return base
 
 
 def _plain_layers(cache: DynamicCache) -> bool:
@@ -423,11 +515,11 @@ class ForwardRequest:
     tree: list[int] | None = None
     """The tokens form a token tree: each row's parent row (``ModelRunner.forward``); such a
     forward runs alone, never batched with other calls'."""
+    vocab: torch.Tensor | None = None
+    """The call's own ids beyond a draft runner's ``head_rows`` (``vocab.CallVocabulary``)."""
 
     def run(self) -> torch.Tensor:
-        if self.tree is None:
-            return self.runner.forward(self.tokens, self.cache, self.keep)
-        return self.runner.forward(self.tokens, self.cache, self.keep, self.tree)
+        return self.runner.forward(self.tokens, self.cache, self.keep, self.tree, self.vocab)
 
 
 def advance(

@@ -24,6 +24,7 @@ from .drafters import (
 )
 from .sampling import SamplingParams, logits_to_probs, sample
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
+from .vocab import CallVocabulary
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -94,6 +95,8 @@ class DraftModelDrafter(StepwiseDrafter):
         self.cache = runner.new_cache()
         self._cached: list[int] = []
         self._prefixes = prefixes
+        self._vocab = CallVocabulary(runner.head_rows) if runner.head_rows is not None else None
+        """This call's own ids beyond the runner's ``head_rows`` (None: the whole head)."""
 
     def propose_steps(
         self,
@@ -115,6 +118,7 @@ class DraftModelDrafter(StepwiseDrafter):
         crop_to(self.cache, shared)
         del self._cached[shared:]
         feed = context[shared:]
+        vocab = self._vocab.update(context) if self._vocab is not None else None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
@@ -129,7 +133,9 @@ class DraftModelDrafter(StepwiseDrafter):
             guess = self._guess(context + tokens, planned - len(tokens) - 1)
             before = len(self._cached)
             fed = [*feed, *guess]
-            logits = yield ForwardRequest(self.runner, fed, self.cache, keep=len(guess) + 1)
+            logits = yield ForwardRequest(
+                self.runner, fed, self.cache, keep=len(guess) + 1, vocab=vocab
+            )
             if logits is None:
                 raise RuntimeError("a draft forward request must be answered with its logits")
             self.draft_forwards += 1
@@ -141,10 +147,11 @@ class DraftModelDrafter(StepwiseDrafter):
                 row = logits[j]
                 if constraint is not None:
                     mask = constraint.allowed().to(row.device)
-                    if not bool(mask.any()):
+                    row = row.masked_fill(~mask, float("-inf"))
+                    # Nothing allowed, or nothing allowed that the draft's head covers.
+                    if not bool(torch.isfinite(row).any()):
                         go_on = False
                         break
-                    row = row.masked_fill(~mask, float("-inf"))
                     masks.append(mask)
                 if params.greedy:
                     # q is one-hot on the argmax: no distribution to keep.

@@ -20,7 +20,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Int8Linear", "has_int8_weights", "int8_supported", "quantize_linears"]
+__all__ = [
+    "INT8_K_MULTIPLE",
+    "Int8Linear",
+    "has_int8_weights",
+    "int8_supported",
+    "quantize_linears",
+]
+
+INT8_K_MULTIPLE = 16
+"""Input sizes the int8 kernel takes safely (multi-row products over 24 columns crashed)."""
 
 
 class Int8Linear(nn.Module):
@@ -60,11 +69,13 @@ def quantize_linears(model: nn.Module) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (its LM head included, even where it is tied to
     the input embedding, which stays as it is) with an ``Int8Linear`` in the model's dtype, in
     place; returns the model. Meant for a bf16 model: the int8 kernel is fast with bf16
-    activations and, on the CPUs measured, slow with float32 ones."""
+    activations and, on the CPUs measured, slow with float32 ones. Linears whose input size
+    is not a multiple of ``INT8_K_MULTIPLE`` stay as they are: torch 2.13's CPU kernel crashes
+    the process (a segmentation fault) on them with more than one row."""
     dtype = next(model.parameters()).dtype
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and child.in_features % INT8_K_MULTIPLE == 0:
                 setattr(module, name, Int8Linear(child, dtype))
     return model
 

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
@@ -33,6 +33,7 @@ from ..chat import Prompt
 from ..decoding.cache import PrefillTwin, PrefixCache
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
+from ..decoding.vocab import head_rows_for
 from ..errors import GenerationError
 from ..grammar import Constraint
 from ..machine import ProbeStore
@@ -91,6 +92,7 @@ class SpecRuntime:
         probe_store: ProbeStore | None = None,
         compile_steps: bool | None = None,
         draft_prefill: PrefillTwin | None = None,
+        draft_head_rows: int | Literal["auto"] | None = "auto",
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -143,7 +145,22 @@ class SpecRuntime:
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
             compile_steps=compile_steps,
             draft_prefill=draft_prefill,
+            draft_head_rows=self._draft_head_rows(draft_head_rows),
         )
+
+    def _draft_head_rows(self, rows: int | Literal["auto"] | None) -> int | None:
+        """The draft head's rows its logits are projected onto (``decoding.vocab``): ``"auto"``
+        keeps the first 32768 where the tokenizer orders its vocabulary by frequency and the
+        vocabulary is at least twice that (``head_rows_for``); an int keeps that many; None
+        the whole head."""
+        if rows == "auto":
+            if self.draft is None:
+                return None
+            return head_rows_for(self.tokenizer, model_vocab_size(self.draft))  # type: ignore[arg-type]
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            msg = f"draft_head_rows must be 'auto', None or a positive int, got {rows!r}"
+            raise ValueError(msg)
+        return rows
 
     @classmethod
     def from_pretrained(

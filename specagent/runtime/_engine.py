@@ -43,6 +43,7 @@ class Engine:
         history: HistoryStore | None = None,
         compile_steps: bool | None = None,
         draft_prefill: PrefillTwin | None = None,
+        draft_head_rows: int | None = None,
     ) -> None:
         self.target = target
         self.vocab_size = vocab_size
@@ -59,6 +60,8 @@ class Engine:
             if draft is not None
             else None
         )
+        if self.draft_runner is not None and draft_head_rows is not None:
+            self.draft_runner.use_head_rows(draft_head_rows, self.eos_token_ids)
         self.shallow_runners: dict[int, ModelRunner] = {}
         self.store = store
         self.step_choices = self._choose_steps(compile_steps)
@@ -74,6 +77,8 @@ class Engine:
             parts = (*parts, "compiled")
         if runner is not None and runner.prefill_twin is not None:
             parts = (*parts, f"twin-from-{runner.prefill_twin.from_rows}")
+        if runner is not None and runner.head_rows is not None:
+            parts = (*parts, f"head-rows-{runner.head_rows}")
         return model_key(model, *parts)
 
     def _choose_steps(self, compile_steps: bool | None) -> dict[str, StepChoice]:

@@ -265,7 +265,9 @@ class Worker:
             if self.batching and len(requests) > 1:
                 try:
                     logits = requests[0].runner.forward_batch(
-                        [(r.tokens, r.cache) for r in requests], [r.keep for r in requests]
+                        [(r.tokens, r.cache) for r in requests],
+                        [r.keep for r in requests],
+                        [r.vocab for r in requests],
                     )
                 except Exception as exc:  # find the culprit: retry the calls one by one
                     release_device_memory(exc)

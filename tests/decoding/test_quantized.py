@@ -84,6 +84,15 @@ def test_quantizing_a_model_swaps_every_linear_and_keeps_its_predictions() -> No
     assert agree > 0.9, agree
 
 
+def test_linears_the_int8_kernel_cannot_take_stay_as_they_are() -> None:
+    """torch's kernel crashed the process on multi-row products over 24 input columns."""
+    model = torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    quantize_linears(model)
+    assert type(model[0]) is torch.nn.Linear
+    assert isinstance(model[1], Int8Linear)
+    assert model(torch.randn(3, 24, dtype=torch.bfloat16)).shape == (3, 8)
+
+
 def test_an_int8_draft_runs_in_the_runner_with_its_cache() -> None:
     """Cached single-token steps continue what a prefill left, as in the unquantized model."""
     draft = int8_copy(make_model(96, layers=2, seed=4, init=0.2))
