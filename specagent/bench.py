@@ -285,12 +285,18 @@ def baseline_methods(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Met
 
 
 def dtypes_of(runtime: SpecRuntime) -> dict[str, Any]:
-    """Each model's dtype and why (``runtime.precision``), or just the dtype."""
-    return dict(runtime.precision) or {
+    """Each model's dtype and why (``runtime.precision``), or just the dtype; a draft's entry
+    also says how many rows of its head its logits cover (``head_rows``, None: all)."""
+    dtypes = dict(runtime.precision) or {
         role: str(next(model.parameters()).dtype).removeprefix("torch.")
         for role, model in (("target", runtime.target), ("draft", runtime.draft))
         if model is not None
     }
+    if runtime.draft is not None:
+        draft = dtypes["draft"]
+        draft = dict(draft) if isinstance(draft, dict) else {"dtype": draft}
+        dtypes["draft"] = {**draft, "head_rows": runtime.draft_head_rows}
+    return dtypes
 
 
 def peak_rss_mb() -> float | None:

@@ -148,6 +148,13 @@ class SpecRuntime:
             draft_head_rows=self._draft_head_rows(draft_head_rows),
         )
 
+    @property
+    def draft_head_rows(self) -> int | None:
+        """How many leading rows of the draft's LM head its logits are projected onto
+        (``decoding.vocab``; None: all of them, or no draft)."""
+        runner = self._engine.draft_runner
+        return runner.head_rows if runner is not None else None
+
     def _draft_head_rows(self, rows: int | Literal["auto"] | None) -> int | None:
         """The draft head's rows its logits are projected onto (``decoding.vocab``): ``"auto"``
         keeps the first 32768 where the tokenizer orders its vocabulary by frequency and the
