@@ -264,10 +264,10 @@ class Worker:
             logits: list[torch.Tensor] | None = None
             if self.batching and len(requests) > 1:
                 try:
+                    vocabs = [r.vocab for r in requests]
+                    extra = {"vocabs": vocabs} if any(v is not None for v in vocabs) else {}
                     logits = requests[0].runner.forward_batch(
-                        [(r.tokens, r.cache) for r in requests],
-                        [r.keep for r in requests],
-                        [r.vocab for r in requests],
+                        [(r.tokens, r.cache) for r in requests], [r.keep for r in requests], **extra
                     )
                 except Exception as exc:  # find the culprit: retry the calls one by one
                     release_device_memory(exc)

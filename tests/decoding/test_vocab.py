@@ -5,6 +5,7 @@ batch too), and decoding through it stays exact (greedy equality, sampling distr
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.quantized import Int8Linear
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.vocab import CallVocabulary, head_rows_for, restricted_logits
+from specagent.grammar import Constraint
 
 VOCAB = 40
+PATTERN = r"[A-Z]{3}-[0-9]{2}"
 ROWS = 16
 
 
@@ -142,6 +145,29 @@ async def test_runtime_with_a_restricted_draft_head_equals_target_greedy(
         assert result.token_ids == expected[:n]
         assert n == 24 or expected[n] in runtime.eos_token_ids
     assert sum(r.stats.num_accepted_tokens for r in results) > 0
+
+
+def test_a_grammar_whose_tokens_the_draft_head_lacks(target, draft, tokenizer) -> None:
+    """Eight rows hold only special tokens: the letters and digits the pattern allows reach
+    the draft only through the prompt's own ids, or not at all (the draft then stops and the
+    target decodes). The output is the same as with the whole head."""
+    outputs = []
+    for rows in (8, None):
+        runtime = SpecRuntime(
+            target=target,
+            draft=draft,
+            tokenizer=tokenizer,
+            device="cpu",
+            probe_store=PinnedCosts(),
+            draft_head_rows=rows,
+        )
+        with runtime:
+            result = runtime.generate_sync(
+                "Code: AB", constraint=Constraint.regex(PATTERN), max_new_tokens=12
+            )
+        assert re.fullmatch(PATTERN, result.text), result.text
+        outputs.append(result.token_ids)
+    assert outputs[0] == outputs[1]
 
 
 def test_runtime_refuses_a_bad_head_rows_value(target, draft, tokenizer) -> None:
