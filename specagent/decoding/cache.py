@@ -8,6 +8,7 @@ versions: the cache keyword (``cache=`` in new releases, ``past_key_values=`` in
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -92,7 +93,8 @@ class ModelRunner:
         self._dtype = next(model.parameters()).dtype
         self.kernels = kernels or LinearPlan()
         """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
-        torch's own). The model object itself is never changed."""
+        torch's own), for the runner's own forwards only (``LinearPlan.active``)."""
+        self._linears: tuple[nn.Linear, ...] | None = None
         self.packed: PackedWeights | None = None
         """The model's weights packed for oneDNN, where the plan's ``packed_rows`` read them
         (``kernels.PackedWeights``; set by the cost measurement, None: not packed)."""
@@ -163,6 +165,22 @@ class ModelRunner:
             kept[vocab.to(logits.device)] = True
         return logits.masked_fill(~kept, float("-inf"))
 
+    def _planned(self) -> contextlib.AbstractContextManager[None]:
+        """The context this runner's forwards run in: its kernel plan over its models' linear
+        modules (a compiled step keeps the plan's ``F.linear`` mode: its graph was traced
+        through it)."""
+        if self.compiled is not None:
+            return self.kernels.active(self.packed)
+        if self._linears is None:
+            models = [self.model] + ([self.prefill_twin.model] if self.prefill_twin else [])
+            self._linears = tuple(
+                module
+                for model in models
+                for module in model.modules()
+                if type(module) is nn.Linear
+            )
+        return self.kernels.active(self.packed, self._linears)
+
     @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` can run a token tree: the model's attention takes a custom
@@ -216,7 +234,7 @@ class ModelRunner:
         cache); each row then sees the cache and its own ancestors, at its depth's position
         (``tree.py``; all rows' logits are returned). ``vocab``: the call's own ids beyond
         ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
-        with self.kernels.active(self.packed):
+        with self._planned():
             if tree is not None:
                 return self._masked(self._tree_forward(input_ids, cache, tree), vocab)
             return self._forward(input_ids, cache, keep, vocab)
@@ -421,7 +439,7 @@ class ModelRunner:
             "position_ids": positions.to(self.device),
             "use_cache": True,
         }
-        with self.kernels.active(self.packed):
+        with self._planned():
             all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest, call_vocabs)
         results = []
         for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
