@@ -102,7 +102,7 @@ class LinearPlan:
         held = [(module, module.__dict__.get("forward")) for module in linears]
         try:
             for module, _ in held:
-                module.forward = _routed_forward(module, route, owner)  # type: ignore[method-assign]
+                module.forward = _routed_forward(module, route, owner)  # type: ignore[method-assign,assignment]
             yield
         finally:
             for module, before in held:
