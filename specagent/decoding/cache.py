@@ -13,7 +13,7 @@ import copy
 import functools
 import inspect
 from collections import OrderedDict
-from collections.abc import Generator, Hashable, Iterator, Sequence
+from collections.abc import Generator, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,8 +21,6 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from .attention import NAME as ATTENTION_NAME
-from .attention import single_query_attention
 from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
 from .kernels import LinearPlan, PackedWeights
 from .quantized import Int8Linear
@@ -167,15 +165,12 @@ class ModelRunner:
             kept[vocab.to(logits.device)] = True
         return logits.masked_fill(~kept, float("-inf"))
 
-    @contextlib.contextmanager
-    def _planned(self) -> Iterator[None]:
+    def _planned(self) -> contextlib.AbstractContextManager[None]:
         """The context this runner's forwards run in: its kernel plan over its models' linear
-        modules and single-query attention (``attention.py``). A compiled step keeps the
-        plan's ``F.linear`` mode and SDPA: its graph was traced through them."""
+        modules (a compiled step keeps the plan's ``F.linear`` mode: its graph was traced
+        through it)."""
         if self.compiled is not None:
-            with self.kernels.active(self.packed):
-                yield
-            return
+            return self.kernels.active(self.packed)
         if self._linears is None:
             models = [self.model] + ([self.prefill_twin.model] if self.prefill_twin else [])
             self._linears = tuple(
@@ -184,15 +179,14 @@ class ModelRunner:
                 for module in model.modules()
                 if type(module) is nn.Linear
             )
-        with self.kernels.active(self.packed, self._linears), single_query_attention(self.model):
-            yield
+        return self.kernels.active(self.packed, self._linears)
 
     @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` can run a token tree: the model's attention takes a custom
         mask (eager or sdpa)."""
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        return implementation in ("eager", "sdpa", ATTENTION_NAME)
+        return implementation in ("eager", "sdpa")
 
     def compiler(self) -> CompiledStep:
         """A compiled single-token step for this runner's model (compiled at its first use)."""

@@ -302,14 +302,13 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 8
+COSTS_VERSION = 7
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
 3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
 4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel.
 5: packed weights are a third form.
 6: each length's form is chosen by the vote of two or three passes (``kernel_choice_steps``).
-7: a runner's plan reroutes its linear modules, not every torch call (``LinearPlan.active``).
-8: one-query attention runs as grouped products where faster (``attention.py``)."""
+7: a runner's plan reroutes its linear modules, not every torch call (``LinearPlan.active``)."""
 
 
 class CostBook:
