@@ -40,7 +40,8 @@ def test_transposed_form_computes_the_same_product(shape, with_bias) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_plan_applies_at_its_rows_and_only_inside_the_context(monkeypatch) -> None:
+def _spy_on_transposed(monkeypatch) -> list[int]:
+    """The row counts of the products the transposed form computes from now on."""
     calls: list[int] = []
     original = kernels.transposed_linear
 
@@ -49,6 +50,11 @@ def test_plan_applies_at_its_rows_and_only_inside_the_context(monkeypatch) -> No
         return original(x, weight, bias)
 
     monkeypatch.setattr(kernels, "transposed_linear", spy)
+    return calls
+
+
+def test_plan_applies_at_its_rows_and_only_inside_the_context(monkeypatch) -> None:
+    calls = _spy_on_transposed(monkeypatch)
     layer = torch.nn.Linear(8, 4)
     plan = LinearPlan(frozenset({3}))
     with plan.active():
@@ -64,14 +70,7 @@ def test_plan_over_given_modules_applies_in_this_thread_only(monkeypatch) -> Non
     """With the modules given, their forwards are rerouted while the context lasts, in the
     thread that entered it; the modules are as before afterwards, also after an error and
     with contexts nested."""
-    calls: list[int] = []
-    original = kernels.transposed_linear
-
-    def spy(x, weight, bias=None):
-        calls.append(x.numel() // x.shape[-1])
-        return original(x, weight, bias)
-
-    monkeypatch.setattr(kernels, "transposed_linear", spy)
+    calls = _spy_on_transposed(monkeypatch)
     layer, other = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
     plan = LinearPlan(frozenset({3}))
     x = torch.randn(3, 8)
@@ -97,21 +96,14 @@ def test_plan_over_given_modules_applies_in_this_thread_only(monkeypatch) -> Non
 
 
 def test_runner_forwards_reroute_modules_without_a_torch_function_mode(target, monkeypatch) -> None:
-    """A mode sees every torch call of a forward (about 5% of a bf16 1.5B verification on a
+    """A mode sees every torch call of a forward (3-13% of a bf16 1.5B forward on a
     2-core EPYC): a runner gives its plan its linear modules instead."""
 
     def no_mode(*args, **kwargs):
         raise AssertionError("a runner's forward entered the F.linear mode")
 
     monkeypatch.setattr(kernels._PlannedLinears, "__init__", no_mode)
-    calls: list[int] = []
-    original = kernels.transposed_linear
-
-    def spy(x, weight, bias=None):
-        calls.append(x.numel() // x.shape[-1])
-        return original(x, weight, bias)
-
-    monkeypatch.setattr(kernels, "transposed_linear", spy)
+    calls = _spy_on_transposed(monkeypatch)
     runner = ModelRunner(target, kernels=LinearPlan(frozenset({3, 6})))
     runner.forward(TOKENS[:3], runner.new_cache())
     linears = [m for m in target.modules() if type(m) is torch.nn.Linear]
