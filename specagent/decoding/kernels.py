@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import types
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,14 +99,19 @@ class LinearPlan:
             with _PlannedLinears(route):
                 yield
             return
-        owner = threading.get_ident()
-        held = [(module, module.__dict__.get("forward")) for module in linears]
+        routes = _thread_routes()
+        held = [(m, m.__dict__.get("forward"), routes.get(id(m))) for m in linears]
         try:
-            for module, _ in held:
-                module.forward = _routed_forward(module, route, owner)  # type: ignore[method-assign,assignment]
+            for module, _, _ in held:
+                routes[id(module)] = route
+                module.forward = types.MethodType(_routed_linear, module)  # type: ignore[method-assign]
             yield
         finally:
-            for module, before in held:
+            for module, before, outer in held:
+                if outer is None:
+                    routes.pop(id(module), None)
+                else:
+                    routes[id(module)] = outer
                 if before is None:
                     module.__dict__.pop("forward", None)
                 else:
@@ -240,19 +246,28 @@ class _Route:
         return None
 
 
-def _routed_forward(
-    module: torch.nn.Linear, route: _Route, owner: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``module``'s forward under ``route``, in the ``owner`` thread only."""
+_routing = threading.local()
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if threading.get_ident() == owner:
-            out = route(x, module.weight, module.bias)
-            if out is not None:
-                return out
-        return F.linear(x, module.weight, module.bias)
 
-    return forward
+def _thread_routes() -> dict[int, _Route]:
+    """This thread's routes, by ``id`` of the module they were given for."""
+    routes: dict[int, _Route] | None = getattr(_routing, "routes", None)
+    if routes is None:
+        routes = _routing.routes = {}
+    return routes
+
+
+def _routed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward``, computed by the route this thread gave this module, if any. A
+    method bound to the module, not a closure over it: a copy made meanwhile
+    (``copy.deepcopy`` binds it to the copy) finds no route and computes its own product,
+    and another thread's call finds none either."""
+    route = _thread_routes().get(id(self))
+    if route is not None:
+        out = route(x, self.weight, self.bias)
+        if out is not None:
+            return out
+    return F.linear(x, self.weight, self.bias)
 
 
 class _PlannedLinears(TorchFunctionMode):

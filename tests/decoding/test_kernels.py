@@ -4,6 +4,7 @@ by timing."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable
 
@@ -84,8 +85,12 @@ def test_plan_over_given_modules_applies_in_this_thread_only(monkeypatch) -> Non
         with plan.active(linears=[layer]):
             layer(x)
         layer(x)  # the inner context's end leaves the outer one's routing
+        copied = copy.deepcopy(layer).double()  # copied meanwhile (another thread may)
+        own = F.linear(x.double(), copied.weight, copied.bias)
+        torch.testing.assert_close(copied(x.double()), own)
     assert calls == [3, 3, 3]
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+    copied(x.double())  # the copy's own product, after the context too
     torch.testing.assert_close(elsewhere[0], got)
     assert "forward" not in layer.__dict__  # the module is as it was
     with pytest.raises(RuntimeError), plan.active(linears=[layer]):
