@@ -94,7 +94,11 @@ class ModelRunner:
         self.kernels = kernels or LinearPlan()
         """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
         torch's own), for the runner's own forwards only (``LinearPlan.active``)."""
-        self._linears: tuple[nn.Linear, ...] | None = None
+        twin = [prefill_twin.model] if prefill_twin is not None else []
+        self._linears = tuple(
+            m for each in [model, *twin] for m in each.modules() if type(m) is nn.Linear
+        )
+        """The models' linear modules, which the kernel plan reroutes (``_planned``)."""
         self.packed: PackedWeights | None = None
         """The model's weights packed for oneDNN, where the plan's ``packed_rows`` read them
         (``kernels.PackedWeights``; set by the cost measurement, None: not packed)."""
@@ -171,14 +175,6 @@ class ModelRunner:
         through it)."""
         if self.compiled is not None:
             return self.kernels.active(self.packed)
-        if self._linears is None:
-            models = [self.model] + ([self.prefill_twin.model] if self.prefill_twin else [])
-            self._linears = tuple(
-                module
-                for model in models
-                for module in model.modules()
-                if type(module) is nn.Linear
-            )
         return self.kernels.active(self.packed, self._linears)
 
     @property
