@@ -37,8 +37,16 @@ __all__ = [
     "common_prefix_length",
     "crop_to",
     "early_exit_view",
+    "keep_prefix",
     "prefill",
+    "reuse_prefix",
 ]
+
+
+ALONE_ROWS = 32
+"""A forward over this many tokens (a first step that feeds a prompt) runs alone, not in a
+batch: a batch pads every call's tokens to the widest, and a prompt's width would multiply the
+work of the calls' few-token verifications."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -371,9 +379,10 @@ class ModelRunner:
         keeps = list(keep) if keep is not None else [None] * len(requests)
         call_vocabs = list(vocabs) if vocabs is not None else [None] * len(requests)
         twin = self.prefill_twin
-        if twin is not None and len(requests) > 1:
-            long = [i for i, (tokens, _) in enumerate(requests) if len(tokens) >= twin.from_rows]
-            if long:  # prefills run alone through the twin; the rest as one batch
+        if len(requests) > 1:
+            alone = min(ALONE_ROWS, twin.from_rows) if twin is not None else ALONE_ROWS
+            long = [i for i, (tokens, _) in enumerate(requests) if len(tokens) >= alone]
+            if long:  # prefills run alone (through the twin, if any); the rest as one batch
                 rest = [i for i in range(len(requests)) if i not in long]
                 out: dict[int, torch.Tensor] = {
                     i: self._forward(*requests[i], keeps[i], call_vocabs[i]) for i in long
@@ -563,13 +572,32 @@ def prefill(
     """A cache holding the KV of ``tokens``: from the longest kept prefix when there is one,
     then computing only the rest; the result is kept for later calls. Also returns how many of
     ``tokens`` came from the kept prefix."""
-    cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
-    cache = runner.new_cache() if cache is None else runner.adopt(cache)
+    cache, reused = reuse_prefix(runner, tokens, prefixes)
     if len(tokens) > reused:
         runner.forward(list(tokens[reused:]), cache, keep=1)
         if prefixes is not None:
             prefixes.store(id(runner), tokens, cache)
     return cache, reused
+
+
+def reuse_prefix(
+    runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | None
+) -> tuple[DynamicCache, int]:
+    """A cache for ``runner`` holding the longest kept prefix of ``tokens`` (empty when none is
+    kept), and that prefix's length. Nothing is computed: the caller feeds the rest with its
+    first forward (``keep_prefix`` then keeps the whole for later calls)."""
+    cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
+    return (runner.new_cache() if cache is None else runner.adopt(cache)), reused
+
+
+def keep_prefix(
+    prefixes: Prefixes, runner: ModelRunner, tokens: Sequence[int], cache: DynamicCache
+) -> None:
+    """Keep for later calls a copy of the KV of ``tokens``, which ``cache`` holds as its first
+    positions (a first forward fed them with more after them)."""
+    copied = as_dynamic(cache)
+    crop_to(copied, len(tokens))
+    prefixes.store(id(runner), tokens, copied, copy=False)
 
 
 def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

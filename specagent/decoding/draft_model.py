@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import ForwardRequest, ModelRunner, Prefixes, common_prefix_length, crop_to, prefill
+from .cache import (
+    ForwardRequest,
+    ModelRunner,
+    Prefixes,
+    common_prefix_length,
+    crop_to,
+    keep_prefix,
+    reuse_prefix,
+)
 from .costs import CostModel, expected_tokens, most_per_cost
 from .drafters import (
     EMPTY,
@@ -110,9 +118,12 @@ class DraftModelDrafter(StepwiseDrafter):
         the runtime can batch the draft steps of many calls into one forward."""
         if k <= 0 or not context or not self.catch_up_pays(context):
             return EMPTY
+        prompt = 0  # the prompt length to keep for later calls after this step's forward
         if not self._cached and self._prefixes is not None and len(context) > 1:
-            self.cache, _ = prefill(self.runner, context[:-1], self._prefixes)
-            self._cached = list(context[:-1])
+            # From the longest kept prefix; the rest goes with the first draft forward.
+            self.cache, reused = reuse_prefix(self.runner, context[:-1], self._prefixes)
+            self._cached = list(context[:reused])
+            prompt = len(context) - 1 if reused < len(context) - 1 else 0
         shared = common_prefix_length(self._cached, context)
         shared = min(shared, len(context) - 1)  # always feed at least the last token
         crop_to(self.cache, shared)
@@ -140,6 +151,9 @@ class DraftModelDrafter(StepwiseDrafter):
                 raise RuntimeError("a draft forward request must be answered with its logits")
             self.draft_forwards += 1
             self._cached.extend(fed)
+            if prompt and self._prefixes is not None:
+                keep_prefix(self._prefixes, self.runner, context[:prompt], self.cache)
+                prompt = 0
             go_on = True
             agreed = missed = 0
             # Row j is the draft's distribution after feed + guess[:j]; walk while it agrees.

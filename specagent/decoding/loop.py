@@ -29,7 +29,15 @@ import torch
 from transformers import DynamicCache
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import ForwardRequest, ModelRunner, Prefixes, advance, crop_to, prefill
+from .cache import (
+    ForwardRequest,
+    ModelRunner,
+    Prefixes,
+    advance,
+    crop_to,
+    keep_prefix,
+    reuse_prefix,
+)
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
@@ -202,10 +210,14 @@ def speculative_steps(
     counters = DecodeCounters()
     context = list(prompt_ids)
     output: list[int] = []
-    # The cache holds everything but the last token, which every step feeds first.
-    cache, counters.cached_prompt_tokens = (
-        prefill(target, context[:-1], prefixes) if len(context) > 1 else (target.new_cache(), 0)
-    )
+    # The cache holds everything but the last token, which every step feeds first. It starts
+    # from the prompt's longest kept prefix; the rest of the prompt (``unfed``) goes into the
+    # first step's forward, before the last token and the drafts: the prefill and the first
+    # verification in one forward, as transformers' assisted generation does, not two (a
+    # single-token step costs nearly what a 10-token one does on a CPU). Drafting never reads
+    # the target's cache, and the first token waits for the first verification either way.
+    cache, counters.cached_prompt_tokens = reuse_prefix(target, context[:-1], prefixes)
+    unfed = context[counters.cached_prompt_tokens : -1]
 
     while True:
         # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.
@@ -224,6 +236,9 @@ def speculative_steps(
         proposed = len(proposal.tokens)
         tree = proposal.tree
         if tree is not None and rule is None and constraint is None and not forced.tokens:
+            if unfed:  # a tree's mask covers the cache and the tree: the prompt goes first
+                target.forward(unfed, cache, keep=1)
+                unfed = _kept(prefixes, target, context, cache)
             # Several drafts in one forward (``tree.py``): the accepted path and one more token.
             logits = yield ForwardRequest(
                 target, [context[-1], *tree.tokens], cache, tree=tree.row_parents()
@@ -245,9 +260,14 @@ def speculative_steps(
             tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
             step = _joined(forced, proposal, tail)
             masks = _masks_and_rewind(constraint, step) if constraint is not None else None
-            logits = yield ForwardRequest(target, [context[-1], *step.tokens], cache)  # [k+1, V]
+            rows = len(step.tokens) + 1
+            logits = yield ForwardRequest(  # [k+1, V]
+                target, [*unfed, context[-1], *step.tokens], cache, keep=rows if unfed else None
+            )
             if logits is None:
                 raise RuntimeError("a forward request must be answered with its logits")
+            if unfed:
+                unfed = _kept(prefixes, target, context, cache)
             if masks is not None:
                 logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
             verdict = _verify(step, logits, params, rule, generator)
@@ -288,6 +308,17 @@ def speculative_steps(
             yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
             return
         yield DecodeEvent(new, counters)
+
+
+def _kept(
+    prefixes: Prefixes | None, target: ModelRunner, context: list[int], cache: DynamicCache
+) -> list[int]:
+    """After the forward that fed the rest of the prompt: keep the prompt's KV for later calls
+    (a concurrent call with the same prompt, or this one's next turn should it fail); returns
+    what is left unfed (nothing)."""
+    if prefixes is not None:
+        keep_prefix(prefixes, target, context[:-1], cache)
+    return []
 
 
 def _keep_for_later(
