@@ -477,9 +477,14 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_failing_call_does_not_take_others_down(target, draft, tokenizer) -> None:
+async def test_a_failing_call_does_not_take_others_down(
+    target, draft, tokenizer, monkeypatch
+) -> None:
     """Out of device memory (or any error) in one call fails that call with a clear error; the
-    worker frees what it held and keeps serving the rest."""
+    worker frees what it held and keeps serving the rest. The fault is in the target model
+    itself, wherever a forward feeds the poisoned prompt: the calls' first forwards are one
+    batch (the prompts are short), which fails, and the worker retries them one by one to
+    find the culprit."""
     import torch
 
     from specagent import GenerationError
@@ -488,14 +493,15 @@ async def test_a_failing_call_does_not_take_others_down(target, draft, tokenizer
         target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES, device="cpu"
     )
     poison = tokenizer.encode("POISON")
-    real_forward = rt._engine.target_runner.forward
+    embedding = target.get_input_embeddings()
+    real_forward = embedding.forward
 
-    def forward(input_ids, cache, keep=None):
-        if input_ids[: len(poison)] == poison:
+    def forward(input_ids):  # type: ignore[no-untyped-def]
+        if any(row[: len(poison)] == poison for row in input_ids.tolist()):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_forward(input_ids, cache, keep)
+        return real_forward(input_ids)
 
-    rt._engine.target_runner.forward = forward  # type: ignore[method-assign]
+    monkeypatch.setattr(embedding, "forward", forward)
     outcomes: dict[str, object] = {}
 
     async def call(name: str, prompt: list[int] | str) -> None:

@@ -16,6 +16,10 @@ last token:
 2. one target forward over ``[context[-1], x_1..x_k]`` gives p for k + 1 positions;
 3. the acceptance rule accepts a prefix of n draft tokens and emits one more token;
 4. the target cache is cropped to ``len(context) + n``; the drafter crops its own on its next call.
+
+The first step's forward also feeds what the cache lacks of the prompt (all of it, or what a
+kept prefix does not hold) before ``context[-1]``: the prefill and the first verification are
+one forward, not two.
 """
 
 from __future__ import annotations

@@ -136,8 +136,9 @@ def test_compiled_steps_give_the_target_greedy_tokens(
     ):
         last = run(target_runner, ids, DraftModelDrafter(draft_runner), schedule)
         assert last.output_ids == expected, schedule
-    # Plain steps of the target and the draft's single-token steps did run compiled.
-    assert steps["target"] >= 40
+    # Plain steps of the target and the draft's single-token steps did run compiled (all 40
+    # tokens of the plain run but the first, which the forward over the prompt gives).
+    assert steps["target"] >= 39
     assert steps["draft"] > 0
 
 
