@@ -376,8 +376,27 @@ class ModelRunner:
         The vocabulary projection is the largest matrix product of a small model; it runs only
         over the positions somebody reads (``_gathered_logits``), not over the padding or the
         positions ``keep`` drops. ``vocabs``: each request's own ids (``forward``'s ``vocab``)."""
-        keeps = list(keep) if keep is not None else [None] * len(requests)
-        call_vocabs = list(vocabs) if vocabs is not None else [None] * len(requests)
+        keeps: list[int | None] = list(keep) if keep is not None else [None] * len(requests)
+        call_vocabs: list[torch.Tensor | None] = (
+            list(vocabs) if vocabs is not None else [None] * len(requests)
+        )
+        lengths = [int(cache.get_seq_length()) for _, cache in requests]
+        try:
+            return self._forward_batch(requests, keeps, call_vocabs)
+        except BaseException:
+            # All or nothing: a forward that ran before the failing one (a prompt run alone)
+            # leaves no KV behind, so the caller may retry every request (the worker does, one
+            # by one, to find the culprit) without feeding any of them twice.
+            for (_, cache), length in zip(requests, lengths, strict=True):
+                crop_to(cache, length)
+            raise
+
+    def _forward_batch(
+        self,
+        requests: Sequence[tuple[list[int], DynamicCache]],
+        keeps: list[int | None],
+        call_vocabs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
         twin = self.prefill_twin
         if len(requests) > 1:
             alone = min(ALONE_ROWS, twin.from_rows) if twin is not None else ALONE_ROWS
@@ -388,7 +407,7 @@ class ModelRunner:
                     i: self._forward(*requests[i], keeps[i], call_vocabs[i]) for i in long
                 }
                 if rest:
-                    batched = self.forward_batch(
+                    batched = self._forward_batch(
                         [requests[i] for i in rest],
                         [keeps[i] for i in rest],
                         [call_vocabs[i] for i in rest],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
@@ -144,3 +145,24 @@ def test_a_batch_runs_a_prompt_alone_and_the_rest_together() -> None:
     assert sorted(widths) == [(1, ALONE_ROWS + 8), (2, 3)]  # the prompt alone, two together
     for a, b in zip(alone, batched, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_batch_leaves_no_kv_behind() -> None:
+    """The prompt ran alone and succeeded, the batch of the others failed: every cache is as it
+    was, so the worker's one-by-one retry feeds nobody's tokens twice."""
+    model = make_model(320, seed=3)
+    runner = ModelRunner(model)
+    forward = model.forward
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if kwargs["input_ids"].shape[0] > 1:
+            raise RuntimeError("out of memory (simulated)")
+        return forward(*args, **kwargs)
+
+    caches = [runner.new_cache() for _ in range(3)]
+    runner.forward([5, 6, 7], caches[1], keep=1)
+    model.forward = failing  # type: ignore[method-assign]
+    feeds = [list(range(10, 10 + ALONE_ROWS)), [8, 9], [3]]
+    with pytest.raises(RuntimeError, match="simulated"):
+        runner.forward_batch(list(zip(feeds, caches, strict=True)), [1, None, None])
+    assert [int(c.get_seq_length()) for c in caches] == [0, 3, 0]
