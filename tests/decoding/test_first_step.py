@@ -15,9 +15,6 @@ from test_greedy_and_cache import run
 from specagent.decoding.cache import ALONE_ROWS, ModelRunner, PrefixCache, keep_prefix
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
-from specagent.decoding.loop import speculative_generate
-from specagent.decoding.sampling import SamplingParams, make_generator
-from specagent.decoding.schedule import FixedSchedule
 
 
 def fed_rows(runner: ModelRunner) -> list[int]:
@@ -79,17 +76,7 @@ def test_the_prompt_fed_with_the_first_step_is_kept_for_the_next_call(target) ->
     rows = fed_rows(runner)
 
     def call(prompt: list[int]) -> Any:
-        events = speculative_generate(
-            runner,
-            prompt,
-            params=SamplingParams(0.0),
-            generator=make_generator(0),
-            max_new_tokens=8,
-            drafter=PromptLookupDrafter(),
-            schedule=FixedSchedule(3),
-            prefixes=prefixes,
-        )
-        return list(events)[-1]
+        return run(runner, prompt, PromptLookupDrafter(), 3, n=8, prefixes=prefixes)
 
     first = call(ids)
     assert first.counters.cached_prompt_tokens == 0

@@ -22,7 +22,7 @@ PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "abcabcabc", "The qu
 GREEDY = SamplingParams(0.0)
 
 
-def run(target_runner, ids, drafter, k, params=GREEDY, seed=0, n=40, schedule=None):
+def run(target_runner, ids, drafter, k, params=GREEDY, seed=0, n=40, schedule=None, **options):
     events = list(
         speculative_generate(
             target_runner,
@@ -32,6 +32,7 @@ def run(target_runner, ids, drafter, k, params=GREEDY, seed=0, n=40, schedule=No
             max_new_tokens=n,
             drafter=drafter,
             schedule=schedule or FixedSchedule(k),
+            **options,
         )
     )
     return events[-1]
