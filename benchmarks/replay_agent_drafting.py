@@ -108,7 +108,8 @@ class PositionCache:
 class OracleTarget:
     """A target whose next token after every position is the recorded output's (then EOS):
     greedy verification against it accepts exactly what the real target would. Records the
-    width of every decoding forward (a prefill keeps one row; a verification keeps all)."""
+    width of every decoding forward: the rows it verifies (a call's first forward also feeds
+    the prompt before them, which is left out, as prefills are)."""
 
     def __init__(self, reference: list[int], vocab_size: int, eos: int) -> None:
         self.reference = reference
@@ -137,8 +138,7 @@ class OracleTarget:
             after = start + depths[len(input_ids) - rows + i] + 1
             token = self.reference[after] if after < len(self.reference) else self.eos
             logits[i, token] = 1.0
-        if keep is None:
-            self.widths.append(len(input_ids))
+        self.widths.append(rows)
         return logits
 
 
