@@ -38,7 +38,6 @@ __all__ = [
     "crop_to",
     "early_exit_view",
     "keep_prefix",
-    "prefill",
     "reuse_prefix",
 ]
 
@@ -583,20 +582,6 @@ def advance(
             reply = item.run()
             continue
         return item
-
-
-def prefill(
-    runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | None
-) -> tuple[DynamicCache, int]:
-    """A cache holding the KV of ``tokens``: from the longest kept prefix when there is one,
-    then computing only the rest; the result is kept for later calls. Also returns how many of
-    ``tokens`` came from the kept prefix."""
-    cache, reused = reuse_prefix(runner, tokens, prefixes)
-    if len(tokens) > reused:
-        runner.forward(list(tokens[reused:]), cache, keep=1)
-        if prefixes is not None:
-            prefixes.store(id(runner), tokens, cache)
-    return cache, reused
 
 
 def reuse_prefix(

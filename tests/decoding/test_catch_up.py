@@ -8,7 +8,7 @@ import torch
 from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
-from specagent.decoding.cache import ModelRunner, PrefixCache, prefill
+from specagent.decoding.cache import ModelRunner, PrefixCache
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
@@ -67,7 +67,9 @@ def test_a_prompt_the_draft_holds_already_is_cheap_to_catch_up(target, draft) ->
     call drafts, since only the last token is new to the draft."""
     ids = long_prompt(target.config.vocab_size)
     runner, prefixes = ModelRunner(draft), PrefixCache()
-    prefill(runner, ids[:-1], prefixes)
+    earlier = runner.new_cache()
+    runner.forward(ids[:-1], earlier, keep=1)
+    prefixes.store(id(runner), ids[:-1], earlier)
     drafter = DraftModelDrafter(runner, prefixes, costs=COSTS, call_end=len(ids) + 8)
     assert prefixes.matched(id(runner), ids[:-1]) == len(ids) - 1
     hits = prefixes.hits
