@@ -37,7 +37,6 @@ __all__ = [
     "common_prefix_length",
     "crop_to",
     "early_exit_view",
-    "keep_prefix",
     "reuse_prefix",
 ]
 
@@ -589,19 +588,9 @@ def reuse_prefix(
 ) -> tuple[DynamicCache, int]:
     """A cache for ``runner`` holding the longest kept prefix of ``tokens`` (empty when none is
     kept), and that prefix's length. Nothing is computed: the caller feeds the rest with its
-    first forward (``keep_prefix`` then keeps the whole for later calls)."""
+    first forward (then ``Prefixes.store`` keeps the whole for later calls)."""
     cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
     return (runner.new_cache() if cache is None else runner.adopt(cache)), reused
-
-
-def keep_prefix(
-    prefixes: Prefixes, runner: ModelRunner, tokens: Sequence[int], cache: DynamicCache
-) -> None:
-    """Keep for later calls a copy of the KV of ``tokens``, which ``cache`` holds as its first
-    positions (a first forward fed them with more after them)."""
-    copied = as_dynamic(cache)
-    crop_to(copied, len(tokens))
-    prefixes.store(id(runner), tokens, copied, copy=False)
 
 
 def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -665,7 +654,8 @@ class Prefixes(Protocol):
     def store(
         self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
     ) -> None:
-        """Keep ``cache``, which holds exactly the KV of ``tokens``."""
+        """Keep the KV of ``tokens``, which ``cache`` holds as its first positions (a copy cut
+        to them; ``copy=False``: ``cache`` itself, which then holds exactly them)."""
         ...
 
 
@@ -736,8 +726,9 @@ class PrefixCache:
     def store(
         self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
     ) -> None:
-        """Keep ``cache``, which must hold exactly the KV of ``tokens``: a copy, or (``copy=False``,
-        for a cache its call no longer uses) the cache itself."""
+        """Keep the KV of ``tokens``, which ``cache`` holds as its first positions: a copy cut to
+        them (made only when the entry is kept), or (``copy=False``, for a cache its call no
+        longer uses and that holds exactly them) the cache itself."""
         if len(tokens) < self.min_tokens or len(tokens) > self.max_tokens:
             return
         key = (owner, tuple(tokens))
@@ -754,7 +745,12 @@ class PrefixCache:
             self._size -= len(old[1])
         # A static cache is kept as an ordinary one cut to its length (a copy even when
         # ``copy`` is False: its slots would hold memory for positions it never fills).
-        self._entries[key] = _copied(cache) if copy or is_static(cache) else cache
+        if copy or is_static(cache):
+            kept = _copied(cache)
+            crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
+        else:
+            kept = cache
+        self._entries[key] = kept
         self._size += len(tokens)
         while self._size > self.max_tokens:
             (_, old_tokens), _ = self._entries.popitem(last=False)

@@ -18,7 +18,6 @@ from .cache import (
     Prefixes,
     common_prefix_length,
     crop_to,
-    keep_prefix,
     reuse_prefix,
 )
 from .costs import CostModel, expected_tokens, most_per_cost
@@ -152,7 +151,7 @@ class DraftModelDrafter(StepwiseDrafter):
             self.draft_forwards += 1
             self._cached.extend(fed)
             if prompt and self._prefixes is not None:
-                keep_prefix(self._prefixes, self.runner, context[:prompt], self.cache)
+                self._prefixes.store(id(self.runner), context[:prompt], self.cache)
                 prompt = 0
             go_on = True
             agreed = missed = 0

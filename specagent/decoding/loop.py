@@ -39,7 +39,6 @@ from .cache import (
     Prefixes,
     advance,
     crop_to,
-    keep_prefix,
     reuse_prefix,
 )
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
@@ -321,7 +320,7 @@ def _kept(
     (a concurrent call with the same prompt, or this one's next turn should it fail); returns
     what is left unfed (nothing)."""
     if prefixes is not None:
-        keep_prefix(prefixes, target, context[:-1], cache)
+        prefixes.store(id(target), context[:-1], cache)
     return []
 
 

@@ -12,7 +12,7 @@ import torch
 from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
-from specagent.decoding.cache import ALONE_ROWS, ModelRunner, PrefixCache, keep_prefix
+from specagent.decoding.cache import ALONE_ROWS, ModelRunner, PrefixCache
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
 
@@ -88,13 +88,13 @@ def test_the_prompt_fed_with_the_first_step_is_kept_for_the_next_call(target) ->
     assert again.output_ids == hf_greedy(target, [*ids[:-1], ids[0]], 8)
 
 
-def test_keep_prefix_keeps_exactly_the_prompts_kv(target) -> None:
+def test_a_stored_prompt_is_exactly_the_prompts_kv(target) -> None:
     runner = ModelRunner(target)
     prefixes = PrefixCache(min_tokens=4)
     prompt = list(range(5, 45))
     cache = runner.new_cache()
     runner.forward([*prompt, 7, 8, 9], cache, keep=4)  # a prompt, its last token, two drafts
-    keep_prefix(prefixes, runner, prompt, cache)
+    prefixes.store(id(runner), prompt, cache)  # a copy cut to the prompt
     assert cache.get_seq_length() == len(prompt) + 3  # the call's own cache is untouched
     kept, length = prefixes.lookup(id(runner), [*prompt, 11])
     assert length == len(prompt)
