@@ -1,4 +1,4 @@
-"""Explain again, with the current ``agent_bench.explain_divergence``, the outputs of an agent
+"""Explain again, with the current ``divergence.explain_divergence``, the outputs of an agent
 bench result that differ from plain greedy; rewrites the result's divergence reports in place.
 
     python benchmarks/explain_divergences.py benchmarks/results/NAME_agent.json
@@ -26,11 +26,11 @@ from specagent.agent_bench import (
     TurnResult,
     _divergence_summary,
     _run_episode,
-    explain_divergence,
     load_episodes,
 )
 from specagent.bench import baseline_methods
 from specagent.catalog import PAIRS
+from specagent.divergence import explain_divergence
 from specagent.machine import machine_info
 
 PLAIN = Policy(name="plain", description="no drafting", mode="lossless", drafter={"kind": "none"})

@@ -184,12 +184,16 @@ def replay_specagent(
     history = runtime.history
     draft = engine.draft_runner
     draft_widths: list[int] = []
+    prompt_length = 0  # the turn's prompt: what a draft forward feeds of it is a prefill
     if draft is not None:
         real_forward = draft.forward
 
-        def counted(input_ids: list[int], cache: Any, keep: int | None = None) -> Any:
-            draft_widths.append(len(input_ids))
-            return real_forward(input_ids, cache, keep)
+        def counted(input_ids: list[int], cache: Any, keep: int | None = None, **extra: Any) -> Any:
+            # A call's first draft forward feeds the prompt not yet cached with its first
+            # guesses; that part is a prefill, left out as the target's are.
+            prefill = max(0, prompt_length - 1 - cache.get_seq_length())
+            draft_widths.append(len(input_ids) - prefill)
+            return real_forward(input_ids, cache, keep, **extra)
 
         draft.forward = counted  # type: ignore[method-assign]
     kind = DRAFTERS[policy.drafter.kind]
@@ -208,6 +212,7 @@ def replay_specagent(
             rows = out[episode_id] = []
             for turn in turns:
                 prompt, output = turn["prompt"], turn["output"]
+                prompt_length = len(prompt)
                 oracle = OracleTarget([*prompt, *output], runtime.vocab_size, eos[0])
                 parts = dataclasses.replace(
                     engine.parts,

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 
 from .chat import render_prompt
+from .divergence import explain_divergence
 from .machine import machine_info
 from .policy import Policy
 from .policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
@@ -89,6 +90,9 @@ class MethodResult:
     mean_acceptance_length: float | None = None
     divergence: float | None = None
     equal_to_plain: bool | None = None
+    difference: dict[str, Any] | None = None
+    """For a lossless greedy output that differs from plain greedy's: where, and whether the
+    dtype's rounding explains it (``divergence.explain_divergence``; first round)."""
 
 
 @dataclass
@@ -128,7 +132,8 @@ SAMPLED = SamplingConfig(temperature=0.7, top_p=0.95)
 
 def bench_policies(has_draft: bool) -> list[Policy]:
     """For each drafter the models allow: lossless (greedy), and a sampled lossless / relaxed
-    pair (typical acceptance, divergence budget 0.10)."""
+    pair (typical acceptance, divergence budget 0.10); and ``lossless-auto``, the shipped
+    policies' drafter."""
     drafters: list[Literal["prompt_lookup", "draft_model"]] = ["prompt_lookup"]
     if has_draft:
         drafters.append("draft_model")
@@ -158,6 +163,13 @@ def bench_policies(has_draft: bool) -> list[Policy]:
                 sampling=SAMPLED,
             ),
         ]
+    # What the shipped policies run (``auto``: per step a match in the call's own text, the
+    # draft model or plain decoding), greedy; its history is the call's own (single prompts:
+    # no earlier call of the bench may draft for a later one).
+    auto = DrafterConfig(kind="auto", num_speculative_tokens=20, history="call")
+    policies.append(
+        Policy(name="lossless-auto", description="bench", mode="lossless", drafter=auto)
+    )
     return policies
 
 
@@ -214,6 +226,7 @@ def run_bench(
 
     rendered_prompts = {name: rendered(messages) for name, messages in prompts.items()}
     rounds: dict[str, dict[str, list[MethodResult]]] = {p: {} for p in prompts}
+    differ: list[tuple[MethodResult, list[int], list[int], list[int]]] = []
     for round_index in range(repeats):
         for prompt_name, ids in rendered_prompts.items():
             reference: list[int] | None = None
@@ -230,6 +243,8 @@ def run_bench(
                     reference = tokens
                 elif name not in sampled and (stats is None or stats.mode == "lossless"):
                     row.equal_to_plain = tokens == reference
+                    if not row.equal_to_plain:
+                        differ.append((row, ids, reference, tokens))
                 if stats is not None:
                     row.acceptance_rate = round(stats.acceptance_rate, 3)
                     row.mean_acceptance_length = round(stats.mean_acceptance_length, 3)
@@ -242,10 +257,16 @@ def run_bench(
                     f"{row.tokens_per_s:7.2f} tok/s  acc={row.acceptance_rate}  "
                     f"equal={row.equal_to_plain}"
                 )
+    out.peak_rss_mb = peak_rss_mb()  # before the float32 reference of the explanations
+    if differ:  # before the medians: a median round that was equal takes another's report
+        log(f"explaining {len(differ)} outputs that differ from plain greedy")
+        explained = explain_divergence(runtime, [case[1:] for case in differ])
+        for (row, *_), report in zip(differ, explained, strict=True):
+            row.difference = report
     for prompt_name, by_method in rounds.items():
         out.results[prompt_name] = {name: _median_round(rows) for name, rows in by_method.items()}
     out.summary = _summarise(out.results)
-    out.peak_rss_mb = peak_rss_mb()
+    out.summary["divergences"] = _differences(out.results)
     return out
 
 
@@ -318,7 +339,29 @@ def _median_round(rows: list[MethodResult]) -> MethodResult:
         median.tokens_per_s_rounds = [r.tokens_per_s for r in rows]
         if median.equal_to_plain is not None:
             median.equal_to_plain = all(bool(r.equal_to_plain) for r in rows)
+            differing = [r.difference for r in rows if r.difference is not None]
+            if median.difference is None and differing:
+                median.difference = differing[0]
     return median
+
+
+def _differences(results: dict[str, dict[str, MethodResult]]) -> dict[str, dict[str, int]]:
+    """Per lossless greedy method: prompts equal to plain greedy in every round, prompts that
+    differed only at a tie within the dtype's rounding, and prompts that differed for another
+    reason (a bug in a lossless method)."""
+    counts: dict[str, dict[str, int]] = {}
+    for by_method in results.values():
+        for name, row in by_method.items():
+            if row.equal_to_plain is None:
+                continue
+            count = counts.setdefault(name, {"equal": 0, "near_tie": 0, "other": 0})
+            if row.equal_to_plain:
+                count["equal"] += 1
+            elif row.difference is not None and row.difference.get("near_tie"):
+                count["near_tie"] += 1
+            else:
+                count["other"] += 1
+    return counts
 
 
 def _spec_method(

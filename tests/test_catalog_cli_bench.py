@@ -109,6 +109,7 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
         "hf_prompt_lookup",
         "hf_assisted",
         "specagent_lossless-draft_model",
+        "specagent_lossless-auto",
         "specagent_sampled-lossless-prompt_lookup",
         "specagent_sampled-relaxed-draft_model",
     } <= set(rows)
@@ -119,6 +120,10 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
         assert len(row.tokens_per_s_rounds) == 2
         assert row.tokens_per_s in row.tokens_per_s_rounds  # the median of two: the faster
     assert rows["specagent_sampled-lossless-draft_model"].equal_to_plain is None  # sampled
+    # Every lossless greedy output equals plain greedy (float32): nothing to explain.
+    divergences = result.summary["divergences"]
+    assert divergences["specagent_lossless-auto"] == {"equal": 2, "near_tie": 0, "other": 0}
+    assert "specagent_sampled-lossless-draft_model" not in divergences
     summary = result.summary["speedup_vs_plain"]["plain"]
     assert summary["geomean"] == 1.0
     relaxed = result.summary["relaxed_vs_lossless"]
@@ -140,6 +145,47 @@ def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
         "draft": {"dtype": "float32", "head_rows": None},
     }
     assert saved["peak_rss_mb"] > 0
+
+
+def test_bench_explains_a_lossless_output_that_differs(
+    target, draft, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planted bug (a lossless method whose fourth token is another) is reported as a
+    difference rounding cannot explain, with where it happened."""
+    import specagent.bench as bench
+
+    honest = bench._spec_method
+
+    def planted(runtime, policy, max_new_tokens):  # type: ignore[no-untyped-def]
+        run = honest(runtime, policy, max_new_tokens)
+        if policy != "lossless-prompt_lookup":
+            return run
+
+        def wrong(ids, seed):  # type: ignore[no-untyped-def]
+            tokens, stats = run(ids, seed)
+            return [*tokens[:3], (tokens[3] + 1) % 50, *tokens[4:]], stats
+
+        return wrong
+
+    monkeypatch.setattr(bench, "_spec_method", planted)
+    runtime = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=bench_policies(True), device="cpu"
+    )
+    prompts = {"code": [{"role": "user", "content": "def f(x):"}]}
+    only = ["specagent_lossless-prompt_lookup", "specagent_lossless-auto"]
+    result = run_bench(
+        runtime, max_new_tokens=8, prompts=prompts, log=lambda _: None, methods=only, repeats=2
+    )
+    runtime.close()
+    row = result.results["code"]["specagent_lossless-prompt_lookup"]
+    assert row.equal_to_plain is False
+    assert row.difference is not None
+    assert row.difference["at"] == 3
+    assert row.difference["near_tie"] is False
+    assert result.summary["divergences"] == {
+        "specagent_lossless-prompt_lookup": {"equal": 0, "near_tie": 0, "other": 1},
+        "specagent_lossless-auto": {"equal": 1, "near_tie": 0, "other": 0},
+    }
 
 
 def test_bench_runs_only_the_methods_named(target, draft, tokenizer) -> None:
