@@ -4,9 +4,14 @@ needs, and what that costs in single-token target steps, without the host's drif
 
     python benchmarks/replay_agent_drafting.py record TRACES.json   # real target, ~7 min on CPU
     python benchmarks/replay_agent_drafting.py replay TRACES.json   # draft model only, ~3 min
+    python benchmarks/replay_agent_drafting.py record TRACES.json --workload prompts \
+        --max-new-tokens 48                                         # 13 single prompts
 
 ``record`` runs every episode through the public runtime (``lossless-auto`` with prefix reuse,
-as ``specagent bench --workload agent`` does) and keeps each turn's prompt, output and stats.
+as ``specagent bench --workload agent`` does) and keeps each turn's prompt, output and stats;
+with ``--workload prompts``, single prompts (the bench's and the evaluation set's), each an
+episode of one turn with the runtime's plain greedy output (replayed one after another under
+one tenant, as a tenant's unrelated calls would be).
 ``replay`` runs the decoding loop again with the real drafters (the real draft model, history,
 schedules and measured costs) against an oracle target that answers every verification with the
 recorded output: in greedy lossless decoding the target's verdict on a draft depends only on the
@@ -39,20 +44,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
 from specagent.agent_bench import _run_episode, _spec_method, agent_policies, load_episodes
-from specagent.bench import dtypes_of
+from specagent.bench import PROMPTS, dtypes_of
 from specagent.catalog import PAIRS
+from specagent.chat import render_prompt
 from specagent.decoding.cache import PrefixCache
 from specagent.decoding.costs import CostModel
 from specagent.decoding.loop import DecodeCounters, speculative_generate
 from specagent.decoding.registry import DRAFTERS
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.tree import row_depths
+from specagent.evaluation.prompts import load_prompt_set
 from specagent.machine import machine_info
 
 TENANT = "replay"
 
 
-def record(path: Path, max_new_tokens: int) -> None:
+def record(path: Path, max_new_tokens: int, workload: str = "agent") -> None:
     target, draft = PAIRS["qwen2.5-coder"]
     runtime = SpecRuntime.from_pretrained(
         target, draft, policies=agent_policies(True), prefix_cache_tokens=65536
@@ -62,7 +69,9 @@ def record(path: Path, max_new_tokens: int) -> None:
     method([1, 2, 3], 0)  # warm up
     episodes: dict[str, list[dict[str, Any]]] = {}
     started = time.perf_counter()
-    for episode in load_episodes():
+    if workload == "prompts":
+        episodes = record_prompts(runtime, max_new_tokens)
+    for episode in load_episodes() if workload == "agent" else []:
         if runtime.prefix_cache is not None:
             runtime.prefix_cache.clear()
         turns, outputs, prompts, _ = _run_episode(runtime, episode, method, 0)
@@ -89,6 +98,20 @@ def record(path: Path, max_new_tokens: int) -> None:
     }
     path.write_text(json.dumps(data))
     print(f"wrote {path}")
+
+
+def record_prompts(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, list[dict[str, Any]]]:
+    """Single prompts (the bench's five and the evaluation set's eight), each an episode of one
+    turn: its prompt and the runtime's plain greedy output (``lossless-plain``)."""
+    prompts = dict(PROMPTS)
+    prompts.update({p.id: p.messages for p in load_prompt_set()})
+    episodes = {}
+    for name, messages in prompts.items():
+        ids = render_prompt(messages, runtime.tokenizer, vocab_size=runtime.vocab_size)
+        result = runtime.generate_sync(ids, policy="lossless-plain", max_new_tokens=max_new_tokens)
+        episodes[name] = [{"prompt": ids, "output": result.token_ids}]
+        print(name, f"{result.stats.latency_s:.1f}s", flush=True)
+    return episodes
 
 
 class PositionCache:
@@ -389,6 +412,12 @@ def main() -> None:
     parser.add_argument("mode", choices=["record", "replay"])
     parser.add_argument("traces", type=Path)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--workload",
+        default="agent",
+        choices=["agent", "prompts"],
+        help="record: the agent episodes, or single prompts (one turn each)",
+    )
     parser.add_argument("--out", type=Path, help="replay: write the result as JSON here")
     parser.add_argument(
         "--draft-dtype",
@@ -398,7 +427,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.mode == "record":
-        record(args.traces, args.max_new_tokens)
+        record(args.traces, args.max_new_tokens, args.workload)
     else:
         replay(args.traces, args.out, args.draft_dtype)
 
