@@ -38,7 +38,7 @@ from typing import Any
 
 from .bench import Method, baseline_methods, dtypes_of, geomean, peak_rss_mb
 from .chat import render_prompt
-from .divergence import explain_divergence
+from .divergence import explain_divergence, tally_differences
 from .machine import machine_info
 from .policy import Policy
 from .policy.schema import DrafterConfig
@@ -254,20 +254,13 @@ def run_agent_bench(
 def _divergence_summary(episodes: dict[str, dict[str, list[TurnResult]]]) -> dict[str, Any]:
     """Per method: turns equal to plain, turns differing at a near-tie, and turns differing for
     another reason (which would be a bug in a lossless method)."""
-    summary: dict[str, Any] = {}
-    for rows in episodes.values():
-        for name, turns in rows.items():
-            if name == "plain":
-                continue
-            counts = summary.setdefault(name, {"equal": 0, "near_tie": 0, "other": 0})
-            for turn in turns:
-                if turn.equal_to_plain:
-                    counts["equal"] += 1
-                elif turn.divergence is not None and turn.divergence.get("near_tie"):
-                    counts["near_tie"] += 1
-                else:
-                    counts["other"] += 1
-    return summary
+    return tally_differences(
+        (name, turn.equal_to_plain, turn.divergence)
+        for rows in episodes.values()
+        for name, turns in rows.items()
+        if name != "plain"
+        for turn in turns
+    )
 
 
 def _run_episode(

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 
 from .chat import render_prompt
-from .divergence import explain_divergence
+from .divergence import explain_divergence, tally_differences
 from .machine import machine_info
 from .policy import Policy
 from .policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
@@ -266,7 +266,12 @@ def run_bench(
     for prompt_name, by_method in rounds.items():
         out.results[prompt_name] = {name: _median_round(rows) for name, rows in by_method.items()}
     out.summary = _summarise(out.results)
-    out.summary["divergences"] = _differences(out.results)
+    out.summary["divergences"] = tally_differences(
+        (name, row.equal_to_plain, row.difference)
+        for by_method in out.results.values()
+        for name, row in by_method.items()
+        if row.equal_to_plain is not None
+    )
     return out
 
 
@@ -343,25 +348,6 @@ def _median_round(rows: list[MethodResult]) -> MethodResult:
             if median.difference is None and differing:
                 median.difference = differing[0]
     return median
-
-
-def _differences(results: dict[str, dict[str, MethodResult]]) -> dict[str, dict[str, int]]:
-    """Per lossless greedy method: prompts equal to plain greedy in every round, prompts that
-    differed only at a tie within the dtype's rounding, and prompts that differed for another
-    reason (a bug in a lossless method)."""
-    counts: dict[str, dict[str, int]] = {}
-    for by_method in results.values():
-        for name, row in by_method.items():
-            if row.equal_to_plain is None:
-                continue
-            count = counts.setdefault(name, {"equal": 0, "near_tie": 0, "other": 0})
-            if row.equal_to_plain:
-                count["equal"] += 1
-            elif row.difference is not None and row.difference.get("near_tie"):
-                count["near_tie"] += 1
-            else:
-                count["other"] += 1
-    return counts
 
 
 def _spec_method(

@@ -4,12 +4,31 @@ difference with ``explain_divergence`` and report the counts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .runtime import SpecRuntime
 
-__all__ = ["explain_divergence"]
+__all__ = ["explain_divergence", "tally_differences"]
+
+
+def tally_differences(
+    outputs: Iterable[tuple[str, bool | None, dict[str, Any] | None]],
+) -> dict[str, dict[str, int]]:
+    """Per method, from ``(method, equal_to_plain, explain_divergence's report)``: outputs
+    equal to plain greedy, outputs that differed at a tie within the dtype's rounding, and
+    outputs that differed for another reason (a bug in a lossless method)."""
+    counts: dict[str, dict[str, int]] = {}
+    for method, equal, report in outputs:
+        count = counts.setdefault(method, {"equal": 0, "near_tie": 0, "other": 0})
+        if equal:
+            count["equal"] += 1
+        elif report is not None and report.get("near_tie"):
+            count["near_tie"] += 1
+        else:
+            count["other"] += 1
+    return counts
 
 
 def explain_divergence(
