@@ -67,11 +67,29 @@ def record(path: Path, max_new_tokens: int, workload: str = "agent") -> None:
     runtime.wait_measured(timeout=3600)
     method = _spec_method(runtime, "lossless-auto", max_new_tokens, reuse=True)
     method([1, 2, 3], 0)  # warm up
-    episodes: dict[str, list[dict[str, Any]]] = {}
     started = time.perf_counter()
     if workload == "prompts":
         episodes = record_prompts(runtime, max_new_tokens)
-    for episode in load_episodes() if workload == "agent" else []:
+    else:
+        episodes = record_episodes(runtime, method)
+    data = {
+        "target": target,
+        "draft": draft,
+        "max_new_tokens": max_new_tokens,
+        "eos_token_ids": list(runtime.eos_token_ids),
+        "precision": dtypes_of(runtime),
+        "machine": machine_info(),
+        "seconds": round(time.perf_counter() - started, 1),
+        "episodes": episodes,
+    }
+    path.write_text(json.dumps(data))
+    print(f"wrote {path}")
+
+
+def record_episodes(runtime: SpecRuntime, method: Any) -> dict[str, list[dict[str, Any]]]:
+    """The agent episodes, each turn's prompt and output through ``method``."""
+    episodes = {}
+    for episode in load_episodes():
         if runtime.prefix_cache is not None:
             runtime.prefix_cache.clear()
         turns, outputs, prompts, _ = _run_episode(runtime, episode, method, 0)
@@ -86,18 +104,7 @@ def record(path: Path, max_new_tokens: int, workload: str = "agent") -> None:
             for turn, output, prompt in zip(turns, outputs, prompts, strict=True)
         ]
         print(episode.id, [t.seconds for t in turns], flush=True)
-    data = {
-        "target": target,
-        "draft": draft,
-        "max_new_tokens": max_new_tokens,
-        "eos_token_ids": list(runtime.eos_token_ids),
-        "precision": dtypes_of(runtime),
-        "machine": machine_info(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "episodes": episodes,
-    }
-    path.write_text(json.dumps(data))
-    print(f"wrote {path}")
+    return episodes
 
 
 def record_prompts(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, list[dict[str, Any]]]:

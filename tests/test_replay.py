@@ -52,12 +52,11 @@ def test_replay_takes_the_real_runs_steps(target, draft, tokenizer) -> None:
         "episodes": {"one": [{"prompt": prompt, "output": plain.token_ids}]},
     }
     for name in ("lossless-draft_model", "lossless-auto"):
+        # Its tenant's history is empty, as the replay's is when it starts.
         real = runtime.generate_sync(
             prompt, policy=name, max_new_tokens=max_new_tokens, tenant="real"
         )
         assert real.token_ids == plain.token_ids  # float32: lossless greedy is plain greedy
-        if runtime.history is not None:
-            runtime.history.clear()  # the replay starts from an empty history, as this did
         (replayed,) = replay.replay_specagent(runtime, policies[name], traces)["one"]
         assert replayed.accepted == real.stats.accepted_by_source, name
         # Each verification emits its accepted tokens and one of the target's own.
