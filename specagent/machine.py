@@ -115,6 +115,9 @@ def config_key(config: Any, *parts: object) -> str:
 def model_key(model: torch.nn.Module, *parts: object) -> str:
     """``config_key`` of a loaded model, with its dtype and device (and whether its linears
     hold int8 weights: a draft's may, ``decoding.quantized``, at the same parameter dtype)."""
+    engine_key = getattr(model, "key", None)
+    if not isinstance(model, torch.nn.Module) and callable(engine_key):
+        return config_key(engine_key(), *parts)  # another engine's model (``engines``)
     config = getattr(model, "config", None) or {"type": type(model).__name__}
     param = next(model.parameters())
     if has_int8_weights(model):

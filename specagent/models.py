@@ -21,6 +21,7 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "model_vocab_size",
+    "num_layers",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -102,6 +103,8 @@ def load_tokenizer(source: str, *, trust_remote_code: bool = False) -> Any:
 
 def model_vocab_size(model: PreTrainedModel) -> int:
     """Rows of the output embedding: the size of the model's logits."""
+    if not isinstance(model, torch.nn.Module):  # another engine's model (``engines``)
+        return int(model.vocab_size)
     head = model.get_output_embeddings()
     if head is not None and hasattr(head, "weight"):
         return int(head.weight.shape[0])
@@ -109,6 +112,9 @@ def model_vocab_size(model: PreTrainedModel) -> int:
 
 
 def context_window(model: PreTrainedModel) -> int | None:
+    if not isinstance(model, torch.nn.Module):
+        window = getattr(model, "context_window", None)
+        return int(window) if window else None
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(model.config, attr, None)
         if isinstance(value, int) and value > 0:
@@ -119,6 +125,8 @@ def context_window(model: PreTrainedModel) -> int | None:
 def eos_token_ids(model: PreTrainedModel, tokenizer: Any | None) -> list[int]:
     """EOS ids from the generation config (chat models often have several) and the tokenizer."""
     ids: list[int] = []
+    if not isinstance(model, torch.nn.Module):
+        ids.extend(model.eos_token_ids())  # the GGUF's end-of-generation tokens
     gen = getattr(model, "generation_config", None)
     for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(source, int):
@@ -126,6 +134,13 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: Any | None) -> list[int]:
         elif isinstance(source, (list, tuple)):
             ids.extend(int(x) for x in source)
     return sorted(set(ids))
+
+
+def num_layers(model: Any) -> int:
+    """Decoder layers of the model (0 when its config does not say)."""
+    if not isinstance(model, torch.nn.Module):
+        return int(getattr(model, "num_layers", 0))
+    return int(getattr(model.config, "num_hidden_layers", 0))
 
 
 def check_draft_compatible(

@@ -756,6 +756,15 @@ class PrefixCache:
             (_, old_tokens), _ = self._entries.popitem(last=False)
             self._size -= len(old_tokens)
 
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used entry (an engine short of sequences or memory asks);
+        False when there is none."""
+        if not self._entries:
+            return False
+        (_, old_tokens), _ = self._entries.popitem(last=False)
+        self._size -= len(old_tokens)
+        return True
+
     def clear(self) -> None:
         """Forget every entry (counters stay)."""
         self._entries.clear()

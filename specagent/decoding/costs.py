@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .cache import ModelRunner, crop_to
+from .cache import crop_to
+from .engine import Runner
 from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 
 __all__ = [
@@ -117,7 +118,7 @@ def most_per_cost(gains: Sequence[float], costs: Sequence[float], margin: float 
     return best
 
 
-def prior_costs(target: torch.nn.Module, draft: torch.nn.Module | None) -> CostModel:
+def prior_costs(target: Any, draft: Any | None) -> CostModel:
     """Costs to plan with until the measurement is done: a single-token forward of a model that
     streams its weights from memory costs about its weight bytes, so a draft step costs the
     ratio of the two models' bytes; verification grows a tenth of a step per extra token (the
@@ -128,7 +129,10 @@ def prior_costs(target: torch.nn.Module, draft: torch.nn.Module | None) -> CostM
     return CostModel(draft_step=round(min(max(ratio, 0.01), 1.0), 3))
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
+def _weight_bytes(model: Any) -> int:
+    held = getattr(model, "weight_bytes", None)  # an engine's model that knows its file size
+    if isinstance(held, int):
+        return held
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -146,8 +150,8 @@ Steps = Generator[None, None, Any]
 
 
 def measure_costs(
-    target: ModelRunner,
-    draft: ModelRunner | None,
+    target: Runner,
+    draft: Runner | None,
     max_tokens: int,
     *,
     context_tokens: int = 32,
@@ -161,7 +165,7 @@ def measure_costs(
     Each length (and the prefill lengths of ``PREFILL_LENGTHS``) is timed with torch's linear
     kernels, with the transposed form of ``kernels.choose_kernels`` and, where the weights can be
     packed here, with ``kernels.PackedWeights``; the fastest is kept, and each runner is left with
-    the kernels its costs were measured under (``ModelRunner.kernels``, ``ModelRunner.packed``).
+    the kernels its costs were measured under (``Runner.kernels``, ``Runner.packed``).
     With a draft and ``max_tokens`` 1, only the target's unit is timed, with its kernels as
     they are.
 
@@ -182,8 +186,8 @@ def measure_costs(
 
 
 def measure_steps(
-    target: ModelRunner,
-    draft: ModelRunner | None,
+    target: Runner,
+    draft: Runner | None,
     max_tokens: int,
     *,
     context_tokens: int = 32,
@@ -192,7 +196,7 @@ def measure_steps(
 ) -> Generator[None, None, CostModel]:
     """``measure_costs`` one timing at a time (it yields after each), returning the model."""
 
-    def curve(runner: ModelRunner, longest: int) -> Generator[None, None, dict[int, float]]:
+    def curve(runner: Runner, longest: int) -> Generator[None, None, dict[int, float]]:
         lengths = {n for n in MEASURED_LENGTHS if n < longest} | {1, longest}
         timer = forward_timer(runner, context_tokens=context_tokens, repeats=repeats)
         prefill_timer = forward_timer(runner, context_tokens=context_tokens, repeats=1, keep=1)
@@ -200,6 +204,12 @@ def measure_steps(
         def time_forward(n: int, plan: LinearPlan) -> float:
             return timer(n, plan) if n in lengths else prefill_timer(n, plan)
 
+        if runner.kernels is None:  # the engine picks its own kernels: only time them
+            seconds = {}
+            for n in sorted(lengths):
+                seconds[n] = timer(n, None)
+                yield
+            return seconds
         prefills = [n for n in PREFILL_LENGTHS if n > longest]
         if runner.packed is None and runner.device.type == "cpu":
             runner.packed = PackedWeights.of(runner.model)
@@ -230,8 +240,8 @@ def measure_steps(
 
 
 def forward_timer(
-    runner: ModelRunner, *, context_tokens: int = 32, repeats: int = 2, keep: int | None = None
-) -> Callable[[int, LinearPlan], float]:
+    runner: Runner, *, context_tokens: int = 32, repeats: int = 2, keep: int | None = None
+) -> Callable[[int, LinearPlan | None], float]:
     """``time(n, plan)``: seconds of one forward of ``runner`` over n new tokens after
     ``context_tokens`` cached ones, with the linear kernels of ``plan`` (best of ``repeats``;
     the first time a length is timed, after one more run that warms kernels and allocator).
@@ -243,9 +253,11 @@ def forward_timer(
     runner.forward(context, cache, keep=1)
     warmed: set[int] = set()
 
-    def time_forward(n: int, plan: LinearPlan) -> float:
+    def time_forward(n: int, plan: LinearPlan | None) -> float:
         tokens = [context[i % context_tokens] for i in range(n)]
-        before, runner.kernels = runner.kernels, plan
+        before = runner.kernels
+        if before is not None and plan is not None:
+            runner.kernels = plan
         try:
             best = math.inf
             runs = repeats if n in warmed else repeats + 1
@@ -325,7 +337,7 @@ class CostBook:
 
     def __init__(
         self,
-        target: ModelRunner,
+        target: Runner,
         longest: int,
         store: CurveStore | None = None,
         key_of: Callable[..., str] | None = None,
@@ -341,22 +353,22 @@ class CostBook:
     def covers(self, longest: int) -> bool:
         return self.longest >= longest
 
-    def is_measured(self, draft: ModelRunner | None) -> bool:
+    def is_measured(self, draft: Runner | None) -> bool:
         return self._verify is not None and (draft is None or id(draft) in self._drafts)
 
-    def model(self, draft: ModelRunner | None) -> CostModel:
+    def model(self, draft: Runner | None) -> CostModel:
         """The measured costs of drafting with ``draft`` (None: a free drafter), or the prior
         while they are not measured yet."""
         if not self.is_measured(draft):
             return prior_costs(self.target.model, draft.model if draft is not None else None)
         return self._assemble(draft)
 
-    def measured(self, draft: ModelRunner | None) -> CostModel:
+    def measured(self, draft: Runner | None) -> CostModel:
         """The measured costs, measuring now (on the calling thread) what is missing."""
         _finish(self.measurement([draft]))
         return self._assemble(draft)
 
-    def measurement(self, drafts: Iterable[ModelRunner | None]) -> Generator[None, None, None]:
+    def measurement(self, drafts: Iterable[Runner | None]) -> Generator[None, None, None]:
         """Measure what is missing for drafting with each of ``drafts``, one timing per step of
         the generator (the book is locked during a step, not between steps)."""
         wanted = list(dict.fromkeys(drafts))
@@ -367,16 +379,16 @@ class CostBook:
             if draft is not None:
                 yield from self._curve("draft", draft, draft)
 
-    def _assemble(self, draft: ModelRunner | None) -> CostModel:
+    def _assemble(self, draft: Runner | None) -> CostModel:
         assert self._verify is not None
         drafts = self._drafts.get(id(draft), ()) if draft is not None else ()
         return CostModel(draft_step=drafts[0] if drafts else 0.0, verify=self._verify, draft=drafts)
 
-    def _done(self, what: str, runner: ModelRunner) -> bool:
+    def _done(self, what: str, runner: Runner) -> bool:
         return self._verify is not None if what == "verify" else id(runner) in self._drafts
 
     def _curve(
-        self, what: str, runner: ModelRunner, draft: ModelRunner | None
+        self, what: str, runner: Runner, draft: Runner | None
     ) -> Generator[None, None, None]:
         key = (
             f"{what}-v{COSTS_VERSION}:{self._key_of(runner.model, self.longest)}:"
@@ -386,6 +398,9 @@ class CostBook:
             if self._done(what, runner):
                 return
             stored = self.store.get(key) if self.store is not None else None
+            if runner.kernels is None and isinstance(stored, dict) and stored.get("costs"):
+                self._keep(what, runner, tuple(float(c) for c in stored["costs"]))
+                return
             if isinstance(stored, dict) and len(stored.get("costs", ())) >= 1:
                 plan = LinearPlan(
                     transposed_rows=frozenset(int(n) for n in stored["transposed_rows"]),
@@ -414,7 +429,9 @@ class CostBook:
                     model: CostModel = done.value
                     costs = model.verify if draft is None else model.draft
                     self._keep(what, runner, costs)
-                    if self.store is not None:
+                    if self.store is not None and runner.kernels is None:
+                        self.store.put(key, {"costs": list(costs)})
+                    elif self.store is not None:
                         kernels = runner.kernels
                         self.store.put(
                             key,
@@ -427,7 +444,7 @@ class CostBook:
                     return
             yield
 
-    def _keep(self, what: str, runner: ModelRunner, costs: tuple[float, ...]) -> None:
+    def _keep(self, what: str, runner: Runner, costs: tuple[float, ...]) -> None:
         if what == "verify":
             self._verify = costs
         else:

@@ -34,7 +34,8 @@ from ..decoding.cache import PrefillTwin, PrefixCache
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.vocab import head_rows_for
-from ..errors import GenerationError
+from ..engines import is_engine_model
+from ..errors import GenerationError, PolicyError
 from ..grammar import Constraint
 from ..machine import ProbeStore
 from ..models import (
@@ -42,6 +43,7 @@ from ..models import (
     context_window,
     eos_token_ids,
     model_vocab_size,
+    num_layers,
     resolve_device,
 )
 from ..policy import Policy, default_policy
@@ -97,8 +99,8 @@ class SpecRuntime:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
         self.device = resolve_device(device) if device is not None else _model_device(target)
-        self.target = target.to(self.device).eval()
-        self.draft = draft.to(self.device).eval() if draft is not None else None
+        self.target = _placed(target, self.device)
+        self.draft = _placed(draft, self.device) if draft is not None else None
         self.tokenizer = tokenizer
         if self.draft is not None:
             check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)  # type: ignore[arg-type]
@@ -112,8 +114,13 @@ class SpecRuntime:
         """Batch concurrent calls' draft and verification forwards, one forward per model per
         round (else each call's forward runs on its own)."""
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
-        layers = int(getattr(self.target.config, "num_hidden_layers", 0))
-        check_policies_fit(self.policies, self.draft is not None, layers)
+        self.engine: str = str(getattr(target, "engine", "transformers"))
+        """Which engine runs the forwards (``transformers`` or ``llama.cpp``)."""
+        self.engine_choice: dict[str, str] = {"engine": self.engine, "why": "model passed in"}
+        """The engine and why it was chosen (``from_pretrained``'s ``engine``)."""
+        check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
+        if is_engine_model(self.target):
+            _refuse_early_exit(self.policies, self.draft is not None, self.engine)
         self._admission = Admission(
             self.policies,
             tokenizer,
@@ -132,6 +139,10 @@ class SpecRuntime:
         self._lock = threading.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
+        for model in (self.target, self.draft):
+            if self.prefix_cache is not None and is_engine_model(model):
+                # Kept prefixes hold the engine's sequences: it frees one when it runs short.
+                model.add_evictor(self.prefix_cache.evict_oldest)
         self._engine = Engine(
             self.target,
             self.draft,
@@ -180,6 +191,8 @@ class SpecRuntime:
         *,
         draft_dtype: str | torch.dtype = "auto",
         trust_remote_code: bool = False,
+        engine: str = "auto",
+        engine_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> SpecRuntime:
         """Load target (and draft) from local paths, hub ids, or catalog names of models
@@ -191,8 +204,17 @@ class SpecRuntime:
         the target without touching losslessness (``"auto"`` also times it with int8 weights,
         ``decoding.quantized``; ``"int8"`` asks for those). What was chosen and why is in
         ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
-        in the cache directory."""
-        loaded = load_pair(target, draft, device, dtype, draft_dtype, trust_remote_code)
+        in the cache directory.
+
+        ``engine`` picks what runs the forwards: ``"auto"`` takes llama.cpp for a GGUF model (a
+        ``.gguf`` path or a catalog name) on a CPU when llama-cpp-python is installed
+        (``specagent[gguf]``), transformers otherwise; ``"transformers"`` or ``"llama.cpp"``
+        force one. On llama.cpp the GGUF runs as shipped (``dtype`` does not apply) and
+        ``engine_options`` go to ``engines.llama_cpp.LlamaCppModel`` (``threads``,
+        ``context_tokens``, ``max_sequences``). ``runtime.engine_choice`` says which and why."""
+        loaded = load_pair(
+            target, draft, device, dtype, draft_dtype, trust_remote_code, engine, engine_options
+        )
         runtime = cls(
             target=loaded.target,
             draft=loaded.draft,
@@ -200,12 +222,14 @@ class SpecRuntime:
             policies=policies,
             device=loaded.device,
             draft_tokenizer=loaded.draft_tokenizer,
-            model_name=kwargs.pop("model_name", None) or Path(loaded.source).name,
+            model_name=kwargs.pop("model_name", None)
+            or (loaded.target.name if is_engine_model(loaded.target) else Path(loaded.source).name),
             probe_store=kwargs.pop("probe_store", loaded.store),
             draft_prefill=kwargs.pop("draft_prefill", loaded.draft_prefill),
             **kwargs,
         )
         runtime.precision = loaded.precision
+        runtime.engine_choice = loaded.engine
         return runtime
 
     def with_policies(self, policies: PoliciesArg, **kwargs: Any) -> SpecRuntime:
@@ -502,14 +526,39 @@ class SpecRuntime:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
+def _placed(model: Any, device: torch.device) -> Any:
+    """A transformers model moved to ``device`` in eval mode; another engine's model as it is
+    (it runs where it was loaded)."""
+    if is_engine_model(model):
+        if device.type != "cpu":
+            msg = f"the {model.engine} engine runs on the CPU here, not on {device}"
+            raise ValueError(msg)
+        return model
+    return model.to(device).eval()
+
+
+def _refuse_early_exit(policies: Any, has_draft: bool, engine: str) -> None:
+    for policy in policies:
+        if drafter_kind(policy, has_draft) == "early_exit":
+            msg = (
+                f"policy {policy.name!r}: field 'drafter.kind': early_exit cuts the target's "
+                f"layers, which only the transformers engine can do (this runtime runs {engine})"
+            )
+            raise PolicyError(msg)
+
+
+def _model_device(model: Any) -> torch.device:
+    if is_engine_model(model):
+        return torch.device("cpu")
     try:
         return next(model.parameters()).device
     except StopIteration:
         return torch.device("cpu")
 
 
-def _model_name(model: torch.nn.Module) -> str:
+def _model_name(model: Any) -> str:
+    if is_engine_model(model):
+        return str(model.name)
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
     return Path(str(name)).name or type(model).__name__

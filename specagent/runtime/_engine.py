@@ -13,12 +13,15 @@ import torch
 from ..decoding.cache import ModelRunner, PrefillTwin, PrefixCache, early_exit_view
 from ..decoding.compiled import StepChoice, choose_compiled_step
 from ..decoding.costs import CostBook
+from ..decoding.engine import Runner
 from ..decoding.history import HistoryStore
 from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.stopping import StopStrings
+from ..engines import runner_for
 from ..machine import ProbeStore, model_key
+from ..models import num_layers
 from ..policy import Policy
 from ._admission import Request, drafter_kind
 
@@ -53,16 +56,15 @@ class Engine:
         self.decode_text = decode_text
         self.history = history
         """Earlier calls' text, per scope key (``drafter.history``)."""
-        self.num_layers = int(getattr(target.config, "num_hidden_layers", 0))
-        self.target_runner = ModelRunner(target)  # type: ignore[arg-type]
-        self.draft_runner = (
-            ModelRunner(draft, vocab_size=vocab_size, prefill_twin=draft_prefill)  # type: ignore[arg-type]
-            if draft is not None
-            else None
+        self.num_layers = num_layers(target)
+        self.target_runner: Runner = runner_for(target)
+        twin = {"prefill_twin": draft_prefill} if draft_prefill is not None else {}
+        self.draft_runner: Runner | None = (
+            runner_for(draft, vocab_size, **twin) if draft is not None else None
         )
-        if self.draft_runner is not None and draft_head_rows is not None:
+        if isinstance(self.draft_runner, ModelRunner) and draft_head_rows is not None:
             self.draft_runner.use_head_rows(draft_head_rows, self.eos_token_ids)
-        self.shallow_runners: dict[int, ModelRunner] = {}
+        self.shallow_runners: dict[int, Runner] = {}
         self.store = store
         self.step_choices = self._choose_steps(compile_steps)
         self.use_costs(CostBook(self.target_runner, longest, store, key_of=self._cost_key))
@@ -72,7 +74,7 @@ class Engine:
         (the curve is relative to a single-token step, which compiling changes) and from which
         length its forwards run through a float32 twin (``cache.PrefillTwin``)."""
         runners = (self.target_runner, self.draft_runner)
-        runner = next((r for r in runners if r is not None and r.model is model), None)
+        runner = next((r for r in runners if isinstance(r, ModelRunner) and r.model is model), None)
         if runner is not None and runner.compiled is not None:
             parts = (*parts, "compiled")
         if runner is not None and runner.prefill_twin is not None:
@@ -91,8 +93,8 @@ class Engine:
             return {}
         choices = {}
         for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
-            if runner is None:
-                continue
+            if not isinstance(runner, ModelRunner):
+                continue  # another engine compiles nothing of ours
             measure = compile_steps is True or runner.device.type == "cuda"
             choices[role] = choose_compiled_step(
                 runner, key=model_key(runner.model), store=self.store, measure=measure
@@ -123,14 +125,17 @@ class Engine:
             num_layers=self.num_layers,
         )
 
-    def shallow_runner(self, layers: int) -> ModelRunner:
+    def shallow_runner(self, layers: int) -> Runner:
         """A runner over the target's first ``layers`` layers (early exit), made once."""
+        if not isinstance(self.target, torch.nn.Module):
+            msg = "early_exit drafting needs the transformers engine (it cuts the model's layers)"
+            raise ValueError(msg)
         if layers not in self.shallow_runners:
             view = early_exit_view(self.target, layers)  # type: ignore[arg-type]
             self.shallow_runners[layers] = ModelRunner(view, vocab_size=self.vocab_size)
         return self.shallow_runners[layers]
 
-    def cost_runner(self, policy: Policy) -> ModelRunner | None:
+    def cost_runner(self, policy: Policy) -> Runner | None:
         """The model whose forwards drafting costs for ``policy`` (None: a free drafter)."""
         kind = drafter_kind(policy, self.draft_runner is not None)
         return DRAFTERS[kind].cost_runner(policy.drafter, self.parts)

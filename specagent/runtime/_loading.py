@@ -3,15 +3,17 @@ that runs fastest here (``specagent.precision``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..catalog import cache_dir, resolve_model
+from ..catalog import CATALOG, cache_dir, resolve_gguf, resolve_model
 from ..decoding.cache import PrefillTwin
 from ..decoding.quantized import int8_supported
+from ..engines import EngineChoice, choose_engine, is_gguf_source
 from ..errors import ModelLoadError
 from ..machine import ProbeStore, config_key
 from ..models import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -22,8 +24,9 @@ __all__ = ["Loaded", "load_pair"]
 
 @dataclass
 class Loaded:
-    target: torch.nn.Module
-    draft: torch.nn.Module | None
+    target: Any
+    """A transformers model, or another engine's (``engines``)."""
+    draft: Any | None
     tokenizer: Any
     draft_tokenizer: Any | None
     device: torch.device
@@ -35,6 +38,8 @@ class Loaded:
     draft_prefill: PrefillTwin | None = None
     """A full-precision copy of the draft for its long forwards, where they measured faster so
     (``precision``)."""
+    engine: dict[str, str] = field(default_factory=dict)
+    """The engine that runs the forwards and why (``engines.EngineChoice.to_json``)."""
 
 
 def load_pair(
@@ -44,12 +49,19 @@ def load_pair(
     dtype: str | torch.dtype,
     draft_dtype: str | torch.dtype,
     trust_remote_code: bool,
+    engine: str = "auto",
+    engine_options: Mapping[str, Any] | None = None,
 ) -> Loaded:
     """Target (and draft) with the target's tokenizer, and the probe store of this machine in
-    the cache directory, where dtype choices, step costs and kernels are kept."""
+    the cache directory, where dtype choices, step costs and kernels are kept. ``engine``
+    picks what runs the forwards (``engines.choose_engine``); ``engine_options`` go to the
+    llama.cpp engine's model (``LlamaCppModel``: threads, context_tokens, ...)."""
+    dev = resolve_device(device)
+    choice = choose_engine(engine, target, dev)
+    if choice.engine == "llama.cpp":
+        return _load_gguf_pair(target, draft, choice, dict(engine_options or {}))
     target = resolve_model(target)
     draft = resolve_model(draft) if draft is not None else None
-    dev = resolve_device(device)
     store = ProbeStore(cache_dir() / "probes")
     precision: dict[str, Any] = {}
     twins: dict[str, PrefillTwin] = {}
@@ -88,7 +100,67 @@ def load_pair(
         str(target),
         precision,
         twins.get("draft"),
+        choice.to_json(),
     )
+
+
+def _load_gguf_pair(
+    target: str, draft: str | None, choice: EngineChoice, options: dict[str, Any]
+) -> Loaded:
+    """Target (and draft) as GGUF files run by llama.cpp, as shipped, with the tokenizer and
+    chat template the GGUF carries (converted by transformers once, then cached)."""
+    from ..engines.llama_cpp import LlamaCppModel, check_vocabulary
+
+    def loaded(source: str) -> tuple[LlamaCppModel, Any]:
+        path = resolve_gguf(source) if source in CATALOG else Path(source)
+        model = LlamaCppModel(path, name=source if source in CATALOG else None, **options)
+        tokenizer = gguf_tokenizer(path)
+        check_vocabulary(model, tokenizer)
+        return model, tokenizer
+
+    if draft is not None and not is_gguf_source(draft):
+        msg = (
+            f"the llama.cpp engine runs a draft from a GGUF file too; {draft!r} is neither a "
+            ".gguf file nor a catalog model"
+        )
+        raise ModelLoadError(msg)
+    target_model, tokenizer = loaded(target)
+    draft_model, draft_tokenizer = loaded(draft) if draft is not None else (None, None)
+    precision = {
+        role: {"dtype": "gguf", "why": f"as shipped: {model.description}"}
+        for role, model in (("target", target_model), ("draft", draft_model))
+        if model is not None
+    }
+    return Loaded(
+        target_model,
+        draft_model,
+        tokenizer,
+        draft_tokenizer,
+        torch.device("cpu"),
+        ProbeStore(cache_dir() / "probes"),
+        str(target_model.path),
+        precision,
+        None,
+        choice.to_json(),
+    )
+
+
+def gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer and chat template a GGUF file carries, as a transformers tokenizer:
+    converted once per file (seconds for a large vocabulary) and kept in the cache."""
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    kept = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}"
+    if (kept / "tokenizer_config.json").is_file():
+        return load_tokenizer(str(kept))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read the tokenizer of {path}: {exc}") from exc
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(kept)
+    return tokenizer
 
 
 def _int8_draft(

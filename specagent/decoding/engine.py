@@ -1,0 +1,89 @@
+"""The seam between the decoding core and the engines that run forward passes.
+
+The core (loop, drafters, acceptance, history, grammar, cost planning) asks an engine for
+forwards and nothing else; how a forward runs (transformers with its caches and CPU tuning,
+llama.cpp with its sequences) is the engine's own business, decided when it is loaded:
+
+- ``KVSequence``: one call's KV on one model: how long it is, and cut back to a length.
+  ``copy.deepcopy`` gives an independent sequence with the same content (the prefix cache's
+  copy); dropping the last reference frees it.
+- ``Runner``: forwards over new tokens after a sequence, one call's (``forward``) or several
+  calls' in one engine call (``forward_batch``), returning float32 logits of the rows asked for
+  (``keep``), over the target's vocabulary.
+
+``decoding.cache.ModelRunner`` is the transformers engine's runner (its caches are transformers
+``Cache`` objects, which already behave as a ``KVSequence``); ``specagent.engines.llama_cpp``
+is the llama.cpp engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["KVSequence", "Runner"]
+
+
+@runtime_checkable
+class KVSequence(Protocol):
+    """One call's KV on one model."""
+
+    def get_seq_length(self) -> int:
+        """Positions held."""
+        ...
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` positions (negative: drop that many from the end)."""
+        ...
+
+
+class Runner(Protocol):
+    """Forwards of one model, as the decoding core asks for them."""
+
+    model: Any
+    """What runs (a transformers model, a ``LlamaCppModel``): measurements are keyed by it."""
+    vocab_size: int
+    """Columns of every logits tensor returned (a draft's aligned to the target's)."""
+    device: torch.device
+    """Where the returned logits live."""
+    head_rows: int | None
+    """A draft's logits cover only its head's first rows (``decoding.vocab``); None: all."""
+    kernels: Any
+    """The linear-kernel plan the cost measurement tunes (None: the engine picks its own)."""
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether ``forward`` runs a token tree (a custom attention mask)."""
+        ...
+
+    def new_cache(self) -> Any:
+        """An empty ``KVSequence`` for a new call."""
+        ...
+
+    def adopt(self, cache: Any) -> Any:
+        """A kept prefix's private copy as the kind of sequence this runner's calls use."""
+        ...
+
+    def forward(
+        self,
+        input_ids: list[int],
+        cache: Any,
+        keep: int | None = None,
+        tree: list[int] | None = None,
+        vocab: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Feed ``input_ids`` after ``cache``; logits ``[n_kept, V]`` (``keep``: the last rows
+        only, None: all). ``tree``: each row's parent row (``takes_trees`` runners only)."""
+        ...
+
+    def forward_batch(
+        self,
+        requests: Sequence[tuple[list[int], Any]],
+        keep: Sequence[int | None] | None = None,
+        vocabs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """``forward`` for several calls in one engine call, all or nothing: on failure every
+        sequence is left as it was (the caller may retry each request alone)."""
+        ...

@@ -1,0 +1,89 @@
+"""Engines: what runs a model's forward passes behind the decoding core's ``Runner`` seam.
+
+- ``transformers``: any Hugging Face causal LM as a torch module (``decoding.cache.ModelRunner``,
+  with its CPU tuning and compiled steps, decided at load);
+- ``llama.cpp``: a GGUF file as shipped (``engines.llama_cpp``), the fastest engine on a CPU.
+
+``choose_engine`` decides which one a source gets: ``auto`` takes llama.cpp for a GGUF model
+(a ``.gguf`` path or a catalog name) on a CPU when llama-cpp-python is installed, transformers
+otherwise. A model object of another engine than transformers offers ``runner(vocab_size)``,
+``vocab_size``, ``context_window``, ``num_layers``, ``eos_token_ids()``, ``weight_bytes`` and
+``key()``; the runtime asks nothing else of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..catalog import CATALOG
+from ..errors import ModelLoadError
+
+__all__ = ["ENGINES", "EngineChoice", "EngineName", "choose_engine", "is_engine_model", "runner_for"]
+
+EngineName = Literal["auto", "transformers", "llama.cpp"]
+ENGINES: tuple[str, ...] = ("auto", "transformers", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    engine: str
+    """``transformers`` or ``llama.cpp``."""
+    why: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"engine": self.engine, "why": self.why}
+
+
+def is_gguf_source(source: str) -> bool:
+    """A ``.gguf`` file or a catalog name (catalog models are published as GGUF files)."""
+    return source in CATALOG or source.lower().endswith(".gguf")
+
+
+def choose_engine(engine: str, source: str, device: torch.device) -> EngineChoice:
+    """Which engine runs ``source`` on ``device``, and why."""
+    from .llama_cpp import available
+
+    if engine not in ENGINES:
+        raise ModelLoadError(f"unknown engine {engine!r}; expected one of {list(ENGINES)}")
+    gguf = is_gguf_source(source)
+    if engine == "transformers":
+        return EngineChoice("transformers", "asked for")
+    if engine == "llama.cpp":
+        if not gguf and not Path(source).is_file():
+            raise ModelLoadError(
+                f"the llama.cpp engine runs GGUF files; {source!r} is neither a .gguf file nor "
+                "a catalog model"
+            )
+        if not available():
+            raise ModelLoadError(
+                'the llama.cpp engine needs llama-cpp-python: pip install "specagent[gguf]"'
+            )
+        return EngineChoice("llama.cpp", "asked for")
+    if not gguf:
+        return EngineChoice("transformers", "not a GGUF model")
+    if device.type != "cpu":
+        return EngineChoice("transformers", f"a GGUF model on {device.type}: transformers' GPU path")
+    if not available():
+        return EngineChoice(
+            "transformers",
+            'a GGUF model on a CPU, but llama-cpp-python is not installed ("specagent[gguf]")',
+        )
+    return EngineChoice("llama.cpp", "a GGUF model on a CPU: llama.cpp decodes it fastest")
+
+
+def is_engine_model(model: Any) -> bool:
+    """A model another engine than transformers loaded (it makes its own runners)."""
+    return not isinstance(model, torch.nn.Module) and callable(getattr(model, "runner", None))
+
+
+def runner_for(model: Any, vocab_size: int | None = None, **options: Any) -> Any:
+    """The decoding core's runner over ``model`` (``decoding.engine.Runner``)."""
+    if is_engine_model(model):
+        return model.runner(vocab_size)
+    from ..decoding.cache import ModelRunner
+
+    return ModelRunner(model, vocab_size=vocab_size, **options)

@@ -1,0 +1,443 @@
+"""The llama.cpp engine on a GGUF written in the test from the seeded tiny Qwen2: its logits
+match transformers' on the same weights, sequences crop and copy as caches do, a batched
+forward equals the forwards one by one and is all or nothing, and speculative decoding through
+it is exact (greedy equality and chi-square tests of sampled outputs against its own logits)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from conftest import PinnedCosts
+from tiny_gguf import make_qwen2, write_gguf
+
+from specagent import SpecRuntime
+from specagent.decoding import acceptance
+from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.loop import speculative_generate
+from specagent.decoding.sampling import SamplingParams, logits_to_probs, make_generator
+from specagent.decoding.schedule import FixedSchedule
+from specagent.errors import GenerationError, ModelLoadError
+from specagent.policy import Policy
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from specagent.engines.llama_cpp import LlamaCppModel, check_vocabulary  # noqa: E402
+
+TEXTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox jumps"]
+
+
+@pytest.fixture(scope="module")
+def qwen(tokenizer):
+    return make_qwen2(len(tokenizer), layers=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(qwen, tokenizer, tmp_path_factory):
+    return write_gguf(qwen, tokenizer, tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf")
+
+
+@pytest.fixture(scope="module")
+def engine_model(gguf_file):
+    return LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=16, threads=1)
+
+
+def test_logits_match_transformers_on_the_same_weights(engine_model, qwen, tokenizer) -> None:
+    runner = engine_model.runner()
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        ours = runner.forward(ids, runner.new_cache())
+        with torch.no_grad():
+            reference = qwen(input_ids=torch.tensor([ids])).logits[0].float()
+        assert ours.shape == reference.shape
+        assert ours.dtype == torch.float32
+        # llama.cpp keeps its KV in f16 (its default): close, and the same argmax.
+        assert torch.allclose(ours, reference, atol=2e-2), (ours - reference).abs().max()
+        assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_keep_returns_only_the_last_rows(engine_model, tokenizer) -> None:
+    runner = engine_model.runner()
+    ids = tokenizer.encode(TEXTS[1])
+    full = runner.forward(ids, runner.new_cache())
+    last = runner.forward(ids, runner.new_cache(), keep=2)
+    none = runner.forward(ids, runner.new_cache(), keep=0)
+    assert torch.allclose(last, full[-2:], atol=1e-4)
+    assert none.shape == (0, full.shape[1])
+
+
+def test_crop_rolls_back_and_a_copy_is_independent(engine_model, tokenizer) -> None:
+    runner = engine_model.runner()
+    ids = tokenizer.encode(TEXTS[0])
+    seq = runner.new_cache()
+    runner.forward(ids[:5], seq)
+    assert seq.get_seq_length() == 5
+    runner.forward([7, 8, 9], seq)
+    seq.crop(-3)  # transformers' convention: drop the last three
+    assert seq.get_seq_length() == 5
+    after_crop = runner.forward(ids[5:], seq)
+    fresh = runner.forward(ids, runner.new_cache())[5:]
+    assert torch.allclose(after_crop, fresh, atol=1e-4)
+
+    kept = copy.deepcopy(seq)  # the prefix cache's copy
+    assert kept.get_seq_length() == len(ids) and kept.seq_id != seq.seq_id
+    runner.forward([11, 12], seq)  # the original moves on ...
+    seq.crop(2)  # ... and is cut to almost nothing
+    tail = runner.forward([5], kept)  # the copy still holds the whole prompt
+    reference = runner.forward([*ids, 5], runner.new_cache())[-1:]
+    assert torch.allclose(tail, reference, atol=1e-4)
+
+
+def test_dropped_sequences_give_their_ids_back(gguf_file) -> None:
+    model = LlamaCppModel(gguf_file, context_tokens=512, max_sequences=2, threads=1)
+    runner = model.runner()
+    for _ in range(10):  # more sequences than ids, each dropped after use
+        seq = runner.new_cache()
+        runner.forward([4, 5, 6], seq)
+        del seq
+    held = [runner.new_cache(), runner.new_cache()]
+    with pytest.raises(GenerationError, match="sequences are in use"):
+        runner.new_cache()
+    del held
+
+
+def test_a_batch_equals_the_forwards_one_by_one(engine_model, tokenizer) -> None:
+    runner = engine_model.runner()
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    singles, batched_seqs = [], []
+    for ids in prompts:
+        single = runner.new_cache()
+        runner.forward(ids, single)
+        singles.append((single, runner.forward([9, 10, 11][: len(ids) % 3 + 1], single)))
+        seq = runner.new_cache()
+        runner.forward(ids, seq)
+        batched_seqs.append(seq)
+    requests = [([9, 10, 11][: len(ids) % 3 + 1], seq) for ids, seq in zip(prompts, batched_seqs)]
+    before = engine_model.decodes
+    batched = runner.forward_batch(requests, [None, 1, None])
+    assert engine_model.decodes == before + 1  # one llama_decode for all three calls
+    for (single, expected), got, keep in zip(singles, batched, [None, 1, None], strict=True):
+        want = expected if keep is None else expected[-1:]
+        assert torch.allclose(got, want, atol=1e-4)
+    assert [s.get_seq_length() for s in batched_seqs] == [s.get_seq_length() for s, _ in singles]
+
+
+def test_long_forwards_are_split_to_the_batch_size(gguf_file, tokenizer) -> None:
+    model = LlamaCppModel(gguf_file, context_tokens=1024, batch_tokens=16, threads=1)
+    runner = model.runner()
+    ids = (tokenizer.encode(TEXTS[2]) * 8)[:70]
+    logits = runner.forward(ids, runner.new_cache(), keep=3)
+    assert model.decodes == 5  # 70 tokens in forwards of 16
+    whole = LlamaCppModel(gguf_file, context_tokens=1024, batch_tokens=128, threads=1).runner()
+    # Chunks attend to the earlier chunks' f16 KV, one forward to its own f32 rows: close.
+    assert torch.allclose(logits, whole.forward(ids, whole.new_cache(), keep=3), atol=2e-2)
+
+
+def test_a_forward_that_does_not_fit_leaves_every_sequence_as_it_was(gguf_file) -> None:
+    model = LlamaCppModel(gguf_file, context_tokens=256, batch_tokens=64, threads=1)
+    runner = model.runner()
+    small, big = runner.new_cache(), runner.new_cache()
+    runner.forward([4, 5, 6], small)
+    with pytest.raises(GenerationError, match="no room"):
+        runner.forward_batch([([7], small), ([8] * 60 * 5, big)])
+    assert (small.get_seq_length(), big.get_seq_length()) == (3, 0)
+    again = runner.forward([7], small)  # retried alone: as if the batch never ran
+    fresh = runner.forward([4, 5, 6, 7], runner.new_cache())[-1:]
+    assert torch.allclose(again, fresh, atol=1e-4)
+
+
+def test_vocabulary_check_refuses_another_tokenizer(engine_model, tokenizer) -> None:
+    check_vocabulary(engine_model, tokenizer)
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<never-seen>"])
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        check_vocabulary(LlamaCppModel(engine_model.path, threads=1), _Shifted(tokenizer))
+    del other
+
+
+class _Shifted:
+    """A tokenizer whose ids are the tiny one's shifted by one (a different model's)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def convert_ids_to_tokens(self, ids):
+        texts = self.tokenizer.convert_ids_to_tokens(ids)
+        return texts[1:] + texts[:1]
+
+
+GREEDY = SamplingParams(0.0)
+
+
+def _generate(runner, ids, drafter=None, k=0, params=GREEDY, seed=0, n=40):
+    events = list(
+        speculative_generate(
+            runner,
+            ids,
+            params=params,
+            generator=make_generator(seed),
+            max_new_tokens=n,
+            drafter=drafter,
+            schedule=FixedSchedule(k),
+        )
+    )
+    return events[-1]
+
+
+def _plain_greedy(runner, ids, n):
+    """Greedy decoding written out against the engine, one token a forward."""
+    seq, out = runner.new_cache(), []
+    logits = runner.forward(ids, seq, keep=1)
+    for _ in range(n):
+        token = int(logits[-1].argmax())
+        out.append(token)
+        logits = runner.forward([token], seq)
+    return out
+
+
+@pytest.fixture(scope="module")
+def draft_gguf(tokenizer, tmp_path_factory):
+    draft = make_qwen2(len(tokenizer), layers=1, seed=4)
+    return write_gguf(draft, tokenizer, tmp_path_factory.mktemp("draft") / "tiny-draft.gguf")
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculation_equals_the_engines_plain_greedy(
+    engine_model, draft_gguf, tokenizer, k
+) -> None:
+    runner = engine_model.runner()
+    draft = LlamaCppModel(draft_gguf, context_tokens=2048, max_sequences=4, threads=1).runner()
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        expected = _plain_greedy(runner, ids, 30)
+        for drafter in (PromptLookupDrafter(), DraftModelDrafter(draft)):
+            out = _generate(runner, ids, drafter, k, n=30)
+            assert out.output_ids == expected, drafter.name
+
+
+# ---------------------------------------------------------------------- distributions
+
+VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "d", "e", "f", "g", "h", "Ċ"]
+PROMPT = [3, 7, 3, 7, 3]
+STEPS = 4
+N = 2000
+
+
+class _SmallTokenizer:
+    """Twelve byte-level tokens: small enough to enumerate every continuation."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+    chat_template = None
+    all_special_ids = (0, 1, 2)
+    backend_tokenizer = None
+
+    def get_vocab(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(VOCAB_TOKENS)}
+
+    def __len__(self) -> int:
+        return len(VOCAB_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory, monkeypatch_module):
+    import tiny_gguf
+
+    monkeypatch_module.setattr(tiny_gguf, "_merges", lambda backend: ["a b"])
+    target = make_qwen2(len(VOCAB_TOKENS), layers=2, hidden=32, seed=21)
+    draft = make_qwen2(len(VOCAB_TOKENS), layers=1, hidden=32, seed=22)
+    folder = tmp_path_factory.mktemp("small")
+    tok = _SmallTokenizer()
+    with torch.no_grad():  # sharper distributions than the default init gives
+        for model in (target, draft):
+            model.lm_head.weight.mul_(4.0)
+    paths = [write_gguf(m, tok, folder / f"{n}.gguf") for m, n in ((target, "t"), (draft, "d"))]
+    return [LlamaCppModel(p, context_tokens=2048, max_sequences=8, threads=1) for p in paths]
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def _exact_marginals(runner, params: SamplingParams) -> np.ndarray:
+    """P(token t = v) under plain sampling from the engine's own logits, by enumeration."""
+    vocab = len(VOCAB_TOKENS)
+    prefixes = list(itertools.product(range(vocab), repeat=STEPS - 1))
+    marginals = np.zeros((STEPS, vocab))
+    for prefix in prefixes:
+        logits = runner.forward([*PROMPT, *prefix], runner.new_cache())[len(PROMPT) - 1 :]
+        probs = logits_to_probs(logits.double(), params).double().numpy()
+        path = 1.0
+        for t in range(STEPS):
+            repeat = vocab ** (STEPS - 1 - t)
+            marginals[t] += path * probs[t] / repeat
+            if t < STEPS - 1:
+                path *= probs[t, prefix[t]]
+    return marginals
+
+
+def _counts(runner, drafter, params: SamplingParams, k: int) -> np.ndarray:
+    counts = np.zeros((STEPS, len(VOCAB_TOKENS)))
+    for seed in range(N):
+        out = _generate(runner, PROMPT, drafter(), k, params=params, seed=seed, n=STEPS)
+        for t, token in enumerate(out.output_ids):
+            counts[t, token] += 1
+    return counts
+
+
+def _pvalues(counts: np.ndarray, marginals: np.ndarray) -> list[float]:
+    from scipy.stats import chisquare
+
+    pvalues = []
+    for t in range(STEPS):
+        expected = marginals[t] * counts[t].sum()
+        big = expected >= 5
+        obs = np.append(counts[t][big], counts[t][~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        pvalues.append(float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue))
+    return pvalues
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("params", "drafter_kind", "k"),
+    [
+        (SamplingParams(temperature=1.0), "draft_model", 4),
+        (SamplingParams(temperature=0.8, top_p=0.9), "prompt_lookup", 3),
+    ],
+)
+def test_sampling_through_llama_cpp_matches_its_own_distribution(
+    small_engine, params, drafter_kind, k
+) -> None:
+    target, draft = (m.runner() for m in small_engine)
+    marginals = _exact_marginals(target, params)
+    assert np.allclose(marginals.sum(axis=1), 1.0)
+
+    def drafter():
+        if drafter_kind == "draft_model":
+            return DraftModelDrafter(draft)
+        return PromptLookupDrafter(max_ngram=2)
+
+    pvalues = _pvalues(_counts(target, drafter, params, k), marginals)
+    assert min(pvalues) > 1e-3, pvalues
+
+
+@pytest.mark.slow
+def test_the_check_detects_a_wrong_residual_on_llama_cpp(small_engine, monkeypatch) -> None:
+    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, accepted: p)
+    target, draft = (m.runner() for m in small_engine)
+    params = SamplingParams(temperature=1.0)
+    marginals = _exact_marginals(target, params)
+    counts = _counts(target, lambda: DraftModelDrafter(draft), params, 4)
+    assert min(_pvalues(counts, marginals)) < 1e-6
+
+
+# ---------------------------------------------------------------------- the runtime
+
+RELAXED = Policy.model_validate(
+    {
+        "name": "relaxed-lookup",
+        "description": "test",
+        "mode": "relaxed",
+        "drafter": {"kind": "prompt_lookup", "num_speculative_tokens": 4},
+        "acceptance": {"rule": "typical", "epsilon": 0.3, "delta": 0.09},
+        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
+    }
+)
+LOOKUP = Policy.model_validate(
+    {
+        "name": "lookup",
+        "description": "test",
+        "mode": "lossless",
+        "drafter": {"kind": "prompt_lookup", "num_speculative_tokens": 4},
+        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
+    }
+)
+PLAIN = Policy.model_validate(
+    {
+        "name": "plain",
+        "description": "test",
+        "mode": "lossless",
+        "drafter": {"kind": "none"},
+        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
+    }
+)
+
+
+@pytest.fixture
+def runtime(gguf_file, tokenizer):
+    model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=32, threads=1)
+    rt = SpecRuntime(
+        model, tokenizer=tokenizer, policies=[LOOKUP, PLAIN, RELAXED], probe_store=PinnedCosts()
+    )
+    yield rt
+    rt.close()
+
+
+@pytest.mark.anyio
+async def test_concurrent_calls_through_the_runtime_equal_plain_greedy(runtime, tokenizer) -> None:
+    assert runtime.engine == "llama.cpp"
+    prompts = [f"{t} {t}" for t in TEXTS] * 3
+    expected = {}
+    runner = runtime._engine.target_runner  # the engine's own plain greedy, written out
+    for text in set(prompts):
+        expected[text] = _plain_greedy(runner, tokenizer.encode(text), 24)
+    results: dict[int, list[int]] = {}
+
+    async def one(i: int, text: str) -> None:
+        result = await runtime.generate(tokenizer.encode(text), policy="lookup", tenant=str(i))
+        results[i] = result.token_ids
+
+    before = runtime.target.decodes
+    async with anyio.create_task_group() as tg:
+        for i, text in enumerate(prompts):
+            tg.start_soon(one, i, text)
+    for i, text in enumerate(prompts):
+        out = results[i]
+        assert out == expected[text][: len(out)], text
+    # Nine calls share batched forwards: far fewer decodes than their forwards one by one.
+    forwards = sum(len(v) for v in results.values())
+    assert runtime.target.decodes - before < forwards / 2
+
+
+@pytest.mark.anyio
+async def test_relaxed_calls_report_divergence_on_llama_cpp(runtime, tokenizer) -> None:
+    text = TEXTS[0] + " " + TEXTS[0]
+    relaxed = await runtime.generate(text, policy="relaxed-lookup")
+    plain = await runtime.generate(text, policy="plain")
+    assert relaxed.stats.divergence >= 0.0
+    assert plain.stats.num_draft_tokens == 0
+    assert relaxed.stats.policy == "relaxed-lookup"
+
+
+@pytest.mark.anyio
+async def test_a_kept_prefix_is_reused_by_the_next_call(runtime, tokenizer) -> None:
+    text = " ".join(TEXTS) * 3
+    first = await runtime.generate(text, policy="plain", tenant="a")
+    second = await runtime.generate(text, policy="plain", tenant="a")
+    other = await runtime.generate(text, policy="plain", tenant="b")
+    assert first.token_ids == second.token_ids == other.token_ids
+    assert second.usage.cached_input_tokens > 0
+    assert other.usage.cached_input_tokens == 0  # never another tenant's KV
+
+
+def test_early_exit_is_refused_on_llama_cpp(gguf_file, tokenizer) -> None:
+    from specagent.errors import PolicyError
+
+    early = Policy.model_validate(
+        {"name": "shallow", "description": "test", "mode": "lossless", "drafter": {"kind": "early_exit", "early_exit_layers": 1}}
+    )
+    model = LlamaCppModel(gguf_file, threads=1)
+    with pytest.raises(PolicyError, match="transformers engine"):
+        SpecRuntime(model, tokenizer=tokenizer, policies=[early])
