@@ -343,7 +343,7 @@ def _summarise(
             "geomean_episodes": round(geomean(per_episode.values()), 3),
             "min_episode": round(min(per_episode.values()), 3),
         }
-    for baseline in ("hf_assisted", "hf_prompt_lookup"):
+    for baseline in ("hf_assisted", "hf_prompt_lookup", "llama_prompt_lookup"):
         if baseline not in seconds:
             continue
         summary[f"speedup_vs_{baseline}"] = {

@@ -280,16 +280,20 @@ Method = Callable[[list[int], int], tuple[list[int], Any]]
 
 
 def baseline_methods(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Method]:
-    """transformers' greedy ``generate`` on the runtime's own model objects (so in its dtype):
-    plain, prompt lookup (6 tokens, as specagent's prompt lookup here) and, with a draft model,
-    assisted generation. Outputs stop at EOS, as specagent's do."""
+    """What a user of the runtime's engine would run instead: on transformers, greedy
+    ``generate`` on the runtime's own model objects (so in its dtype): plain, prompt lookup (6
+    tokens, as specagent's prompt lookup here) and, with a draft model, assisted generation; on
+    llama.cpp, llama-cpp-python on the same GGUF (``llama_cpp_baselines``). Outputs stop at
+    EOS, as specagent's do."""
+    if runtime.engine == "llama.cpp":
+        return llama_cpp_baselines(runtime, max_new_tokens)
     target, draft = runtime.target, runtime.draft
     eos = runtime.eos_token_ids
 
     def hf(ids: list[int], **kwargs: Any) -> list[int]:
         # Greedy: the round's seed (the second argument of every method) does not apply.
         inputs = torch.tensor([ids], device=runtime.device)
-        generated = target.generate(  # type: ignore[operator]
+        generated = target.generate(
             inputs,
             attention_mask=torch.ones_like(inputs),
             max_new_tokens=max_new_tokens,
@@ -308,6 +312,55 @@ def baseline_methods(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Met
     if draft is not None:
         runs["hf_assisted"] = lambda ids, seed: (hf(ids, assistant_model=draft), None)
     return runs
+
+
+LOOKUP_TOKENS = 10
+"""llama-cpp-python's prompt-lookup drafter's own default draft length."""
+
+
+def llama_cpp_baselines(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Method]:
+    """llama-cpp-python's ``Llama`` (what ChatLlamaCpp runs) on the runtime's own GGUF file,
+    with the same threads: ``plain`` greedy decoding, and ``llama_prompt_lookup`` with its
+    prompt-lookup drafter (``LlamaPromptLookupDecoding``, the speculative mode it exposes;
+    llama-server's draft-model and n-gram modes are not reachable from Python). Each keeps its
+    own KV between calls and reuses the longest common prefix, as an agent's process would."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    model = runtime.target
+    eos = set(runtime.eos_token_ids)
+
+    def load(**options: Any) -> Any:
+        return Llama(
+            model_path=str(model.path),
+            n_ctx=min(model.context_tokens, 16384),
+            n_threads=model.threads,
+            n_threads_batch=model.threads,
+            n_batch=model.batch_tokens,
+            verbose=False,
+            **options,
+        )
+
+    def greedy(llm: Any) -> Method:
+        def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
+            out: list[int] = []
+            for token in llm.generate(
+                ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+            ):
+                if token in eos:
+                    break
+                out.append(int(token))
+                if len(out) >= max_new_tokens:
+                    break
+            return out, None
+
+        return run
+
+    lookup = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+    return {
+        "plain": greedy(load()),
+        "llama_prompt_lookup": greedy(load(draft_model=lookup)),
+    }
 
 
 def dtypes_of(runtime: SpecRuntime) -> dict[str, Any]:

@@ -54,6 +54,8 @@ def explain_divergence(
     import torch
 
     target = runtime.target
+    if runtime.engine != "transformers":
+        return [_engine_report(runtime, *case) for case in cases]
     exact = target
     if next(target.parameters()).dtype != torch.float32:
         exact = copy.deepcopy(target).float()
@@ -109,3 +111,45 @@ def _plain_path_logits(model: Any, prompt: list[int], generated: list[int], devi
     for token in generated:
         logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits
     return logits[0, -1].float()
+
+
+def _first_difference(reference: list[int], output: list[int]) -> int:
+    return next(
+        (i for i, (a, b) in enumerate(zip(reference, output, strict=False)) if a != b),
+        min(len(reference), len(output)),
+    )
+
+
+def _engine_report(
+    runtime: SpecRuntime, prompt: list[int], reference: list[int], output: list[int]
+) -> dict[str, Any]:
+    """``explain_divergence`` on an engine without a float32 copy (llama.cpp runs its GGUF as
+    shipped): the engine's own logits at the first difference, computed along plain's path
+    (the prompt in one forward, then one token per forward) and in one forward over the whole
+    prefix (as a verification adds it up). ``engine_error`` is the largest difference between
+    the two over the ten likeliest tokens; the tokens were a tie within the engine's rounding
+    where ``|margin| <= 2 * engine_error``."""
+    at = _first_difference(reference, output)
+    report: dict[str, Any] = {"at": at}
+    if at >= min(len(reference), len(output)):
+        report.update(near_tie=False, lengths=[len(reference), len(output)])
+        return report
+    runner = runtime._engine.target_runner
+    path = runner.new_cache()
+    own = runner.forward(prompt, path, keep=1)[-1]
+    for token in reference[:at]:
+        own = runner.forward([token], path, keep=1)[-1]
+    whole = runner.forward([*prompt, *reference[:at]], runner.new_cache(), keep=1)[-1]
+    plain_token, token = reference[at], output[at]
+    margin = float(whole[plain_token] - whole[token])
+    top = whole.topk(10).indices
+    error = float((own[top] - whole[top]).abs().max())
+    report.update(
+        plain_token=plain_token,
+        token=token,
+        plain_margin=round(float(own[plain_token] - own[token]), 4),
+        margin=round(margin, 4),
+        engine_error=round(error, 4),
+        near_tie=abs(margin) <= 2 * error,
+    )
+    return report

@@ -68,7 +68,7 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return _tune(args)
     from .demo import run_demo
 
-    return run_demo(pair=args.pair, policies=_policy_set(args.policies))
+    return run_demo(pair=args.pair, policies=_policy_set(args.policies), engine=args.engine)
 
 
 def _policy_set(directory: str | None) -> Any:
@@ -89,7 +89,9 @@ def _run(args: argparse.Namespace) -> int:
     from ..runtime import SpecRuntime
 
     target, draft = _target_and_draft(args)
-    runtime = SpecRuntime.from_pretrained(target, draft=draft, policies=_policy_set(args.policies))
+    runtime = SpecRuntime.from_pretrained(
+        target, draft=draft, policies=_policy_set(args.policies), engine=args.engine
+    )
     options = {
         k: v
         for k, v in {
@@ -141,6 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_queue=args.max_queue,
         compile_steps=_compile_steps(args),
+        engine=args.engine,
     )
     return 0
 
@@ -195,14 +198,20 @@ def _model_info(args: argparse.Namespace) -> int:
     from ..runtime import SpecRuntime
 
     runtime = SpecRuntime.from_pretrained(
-        args.name, draft=args.draft, dtype=args.dtype, compile_steps=_compile_steps(args)
+        args.name,
+        draft=args.draft,
+        dtype=args.dtype,
+        compile_steps=_compile_steps(args),
+        engine=args.engine,
     )
     described = {
         "machine": machine_info(),
+        "engine": runtime.engine_choice,
         "precision": runtime.precision,
         "compiled_steps": runtime.compiled_steps,
     }
     print(json.dumps(described, indent=1))
+    print(f"engine: {runtime.engine_choice['engine']} ({runtime.engine_choice['reason']})")
     for role, choice in runtime.precision.items():
         print(f"{role}: {choice['dtype']} ({choice['reason']})")
     for role, step in runtime.compiled_steps.items():
@@ -231,6 +240,7 @@ def _bench(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
         compile_steps=_compile_steps(args),
+        engine=args.engine,
     )
     stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
     if agent:
@@ -279,7 +289,7 @@ def _eval_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], str]:
     if args.limit is not None:
         prompts = prompts[: max(args.limit, 1)]
     target, draft = _target_and_draft(args)
-    runtime = SpecRuntime.from_pretrained(target, draft=draft)
+    runtime = SpecRuntime.from_pretrained(target, draft=draft, engine=args.engine)
     return runtime, prompts, str(args.prompts or default_prompt_set().name)
 
 

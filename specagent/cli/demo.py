@@ -39,7 +39,7 @@ FACTS = ("Thursday", "NordPost")
 """What a correct answer to the ticket must mention: the new delivery day and the carrier."""
 
 
-def run_demo(pair: str | None = None, policies: Any = None) -> int:
+def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto") -> int:
     """Run the demo; 0 when the tool call and the answers carry the order's facts, else 1.
 
     ``policies``: a ``PolicySet`` or directory (default: the shipped policies).
@@ -63,8 +63,13 @@ def run_demo(pair: str | None = None, policies: Any = None) -> int:
         flush=True,
     )
     runtime = SpecRuntime.from_pretrained(
-        target, draft=draft, policies=policies if policies is not None else shipped_policies()
+        target,
+        draft=draft,
+        policies=policies if policies is not None else shipped_policies(),
+        engine=engine,
     )
+    engine_choice = runtime.engine_choice
+    print(f"engine: {engine_choice['engine']} ({engine_choice['reason']})", flush=True)
     for role, choice in runtime.precision.items():
         print(f"{role} runs in {choice['dtype']}: {choice['reason']}", flush=True)
 

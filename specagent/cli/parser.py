@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 from ..decoding.registry import RULES
+from ..engines import ENGINES
 
 __all__ = ["DEFAULT_MODEL", "build_parser"]
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_MODEL} (speculation by prompt lookup)",
     )
     demo.add_argument("--policies", default=None, help=POLICIES_HELP)
+    _engine_option(demo)
 
     run = _command(
         sub,
@@ -311,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("name", help="catalog name, local path or hub id of the target")
     info.add_argument("--draft", help="catalog name, local path or hub id of a draft model")
     info.add_argument("--dtype", default="auto", choices=DTYPES, help="target dtype")
+    _engine_option(info)
     _compile_option(info)
     return parser
 
@@ -325,6 +328,17 @@ def _model_options(parser: argparse.ArgumentParser, policies: bool = True) -> No
     )
     if policies:
         parser.add_argument("--policies", default=None, help=POLICIES_HELP)
+    _engine_option(parser)
+
+
+def _engine_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=list(ENGINES),
+        help="what runs the forwards: auto takes llama.cpp for a GGUF model (a .gguf file or "
+        "a catalog name) on a CPU when llama-cpp-python is installed, transformers otherwise",
+    )
 
 
 def _eval_options(parser: argparse.ArgumentParser) -> None:

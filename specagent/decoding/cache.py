@@ -13,17 +13,20 @@ import copy
 import functools
 import inspect
 from collections import OrderedDict
-from collections.abc import Generator, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
+from .engine import ForwardRequest, Runner, advance, crop_to
 from .kernels import LinearPlan, PackedWeights
+from .parts import Prefixes
 from .quantized import Int8Linear
+from .tree import row_depths, tree_mask
 from .vocab import restricted_logits
 
 __all__ = [
@@ -56,14 +59,6 @@ def cache_keyword(model_type: Any) -> str:
     """The forward keyword that takes the KV cache: ``cache`` in new transformers releases,
     ``past_key_values`` in older ones."""
     return "cache" if "cache" in _forward_params(model_type) else "past_key_values"
-
-
-def crop_to(cache: DynamicCache, length: int) -> None:
-    """Drop cached positions beyond ``length`` (a negative crop works on every transformers
-    version that has ``DynamicCache.crop``)."""
-    extra = int(cache.get_seq_length()) - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 @dataclass(frozen=True)
@@ -244,8 +239,6 @@ class ModelRunner:
     def _tree_forward(
         self, input_ids: list[int], cache: DynamicCache, parents: list[int]
     ) -> torch.Tensor:
-        from .tree import row_depths, tree_mask  # tree.py builds on this module (crop_to)
-
         if len(parents) != len(input_ids):
             raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
         length = int(cache.get_seq_length())
@@ -542,50 +535,9 @@ def _plain_layers(cache: DynamicCache) -> bool:
     )
 
 
-@dataclass
-class ForwardRequest:
-    """A target forward a decoding step needs: ``tokens`` fed after what ``cache`` holds. The
-    step continues when it is sent the logits ``[len(tokens), V]`` (``ModelRunner.forward``)."""
-
-    runner: ModelRunner
-    tokens: list[int]
-    cache: DynamicCache
-    keep: int | None = None
-    """Logits wanted for the last ``keep`` positions only (None: all)."""
-    tree: list[int] | None = None
-    """The tokens form a token tree: each row's parent row (``ModelRunner.forward``); such a
-    forward runs alone, never batched with other calls'."""
-    vocab: torch.Tensor | None = None
-    """The call's own ids beyond a draft runner's ``head_rows`` (``vocab.CallVocabulary``)."""
-
-    def run(self) -> torch.Tensor:
-        # Only what is set is passed: a wrapped runner's ``forward`` may take just the first three.
-        extra: dict[str, Any] = {}
-        if self.tree is not None:
-            extra["tree"] = self.tree
-        if self.vocab is not None:
-            extra["vocab"] = self.vocab
-        return self.runner.forward(self.tokens, self.cache, self.keep, **extra)
-
-
-def advance(
-    steps: Generator[Any, torch.Tensor | None, Any], reply: torch.Tensor | None, *, inline: bool
-) -> Any:
-    """The one driver of decoding coroutines: send ``reply`` and return the next item the
-    coroutine yields, running forward requests directly on the way when ``inline`` (a single
-    sequence) or returning them to be batched with other calls' (the runtime's worker).
-    ``StopIteration`` passes through with the coroutine's value."""
-    while True:
-        item = steps.send(reply)
-        if inline and isinstance(item, ForwardRequest):
-            reply = item.run()
-            continue
-        return item
-
-
 def reuse_prefix(
-    runner: ModelRunner, tokens: Sequence[int], prefixes: Prefixes | None
-) -> tuple[DynamicCache, int]:
+    runner: Runner, tokens: Sequence[int], prefixes: Prefixes | None
+) -> tuple[Any, int]:
     """A cache for ``runner`` holding the longest kept prefix of ``tokens`` (empty when none is
     kept), and that prefix's length. Nothing is computed: the caller feeds the rest with its
     first forward (then ``Prefixes.store`` keeps the whole for later calls)."""
@@ -638,25 +590,6 @@ def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     setattr(view, prefix, view_base)
     view.config = config
     return view
-
-
-class Prefixes(Protocol):
-    """Where a call finds and leaves KV for later calls (``PrefixCache`` or one scope of it)."""
-
-    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
-        """A private copy of the KV of the longest kept prefix of ``tokens``, and its length."""
-        ...
-
-    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` ``lookup`` would find kept (no copy made, nothing counted)."""
-        ...
-
-    def store(
-        self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
-    ) -> None:
-        """Keep the KV of ``tokens``, which ``cache`` holds as its first positions (a copy cut
-        to them; ``copy=False``: ``cache`` itself, which then holds exactly them)."""
-        ...
 
 
 class PrefixCache:

@@ -22,10 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
-from .cache import crop_to
-from .engine import Runner
+from .engine import Runner, crop_to
 from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 
 __all__ = [

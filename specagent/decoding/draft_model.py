@@ -14,7 +14,6 @@ import torch
 
 from .cache import (
     ForwardRequest,
-    ModelRunner,
     Prefixes,
     common_prefix_length,
     crop_to,
@@ -29,6 +28,7 @@ from .drafters import (
     TokenConstraint,
     lookup_continuation,
 )
+from .engine import Runner
 from .sampling import SamplingParams, logits_to_probs, sample
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .vocab import CallVocabulary
@@ -36,7 +36,7 @@ from .vocab import CallVocabulary
 if TYPE_CHECKING:
     from collections.abc import Generator
 
-    from .registry import DrafterSettings, DraftingParts
+    from .parts import DrafterSettings, DraftingParts
 
 __all__ = [
     "DraftModelDrafter",
@@ -59,7 +59,7 @@ class DraftModelDrafter(StepwiseDrafter):
 
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: Runner,
         prefixes: Prefixes | None = None,
         confidence_threshold: float = 0.0,
         guess_ngrams: tuple[int, int] | None = None,
@@ -354,7 +354,7 @@ def check_early_exit(config: DrafterSettings, num_layers: int) -> str | None:
 
 def _model_drafter(
     kind: type[DraftModelDrafter],
-    runner: ModelRunner,
+    runner: Runner,
     config: DrafterSettings,
     parts: DraftingParts,
 ) -> tuple[Drafter | None, Schedule]:

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from .cache import ForwardRequest, advance
+from .engine import ForwardRequest, advance
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 
 if TYPE_CHECKING:
-    from .registry import DrafterSettings, DraftingParts
+    from .parts import DrafterSettings, DraftingParts
     from .tree import DraftTree
 
 __all__ = [

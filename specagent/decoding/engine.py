@@ -18,12 +18,13 @@ is the llama.cpp engine's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["KVSequence", "Runner"]
+__all__ = ["ForwardRequest", "KVSequence", "Runner", "advance", "crop_to"]
 
 
 @runtime_checkable
@@ -52,6 +53,8 @@ class Runner(Protocol):
     """A draft's logits cover only its head's first rows (``decoding.vocab``); None: all."""
     kernels: Any
     """The linear-kernel plan the cost measurement tunes (None: the engine picks its own)."""
+    packed: Any
+    """Weights packed for the plan's packed kernels (``kernels.PackedWeights``; None: none)."""
 
     @property
     def takes_trees(self) -> bool:
@@ -87,3 +90,53 @@ class Runner(Protocol):
         """``forward`` for several calls in one engine call, all or nothing: on failure every
         sequence is left as it was (the caller may retry each request alone)."""
         ...
+
+
+def crop_to(cache: KVSequence, length: int) -> None:
+    """Drop cached positions beyond ``length`` (a negative crop, which every transformers
+    version with ``DynamicCache.crop`` takes, and every engine's sequence)."""
+    extra = int(cache.get_seq_length()) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+@dataclass
+class ForwardRequest:
+    """A forward a decoding step needs: ``tokens`` fed after what ``cache`` holds. The step
+    continues when it is sent the logits ``[len(tokens), V]`` (``Runner.forward``)."""
+
+    runner: Runner
+    tokens: list[int]
+    cache: Any
+    """The call's ``KVSequence`` on ``runner``'s model."""
+    keep: int | None = None
+    """Logits wanted for the last ``keep`` positions only (None: all)."""
+    tree: list[int] | None = None
+    """The tokens form a token tree: each row's parent row (``Runner.forward``); such a
+    forward runs alone, never batched with other calls'."""
+    vocab: torch.Tensor | None = None
+    """The call's own ids beyond a draft runner's ``head_rows`` (``vocab.CallVocabulary``)."""
+
+    def run(self) -> torch.Tensor:
+        # Only what is set is passed: a wrapped runner's ``forward`` may take just the first three.
+        extra: dict[str, Any] = {}
+        if self.tree is not None:
+            extra["tree"] = self.tree
+        if self.vocab is not None:
+            extra["vocab"] = self.vocab
+        return self.runner.forward(self.tokens, self.cache, self.keep, **extra)
+
+
+def advance(
+    steps: Generator[Any, torch.Tensor | None, Any], reply: torch.Tensor | None, *, inline: bool
+) -> Any:
+    """The one driver of decoding coroutines: send ``reply`` and return the next item the
+    coroutine yields, running forward requests directly on the way when ``inline`` (a single
+    sequence) or returning them to be batched with other calls' (the runtime's worker).
+    ``StopIteration`` passes through with the coroutine's value."""
+    while True:
+        item = steps.send(reply)
+        if inline and isinstance(item, ForwardRequest):
+            reply = item.run()
+            continue
+        return item

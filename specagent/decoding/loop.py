@@ -35,13 +35,13 @@ from transformers import DynamicCache
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
 from .cache import (
     ForwardRequest,
-    ModelRunner,
     Prefixes,
     advance,
     crop_to,
     reuse_prefix,
 )
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
+from .engine import Runner
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 from .tree import TreeVerdict, keep_path, verify_tree
@@ -164,7 +164,7 @@ DecodeSteps = Generator["ForwardRequest | DecodeEvent", "torch.Tensor | None", N
 
 
 def speculative_generate(
-    target: ModelRunner, prompt_ids: Sequence[int], **options: Any
+    target: Runner, prompt_ids: Sequence[int], **options: Any
 ) -> Iterator[DecodeEvent]:
     """``speculative_steps`` with every forward run inline: one event per step."""
     steps = speculative_steps(target, prompt_ids, **options)
@@ -178,7 +178,7 @@ def speculative_generate(
 
 
 def speculative_steps(
-    target: ModelRunner,
+    target: Runner,
     prompt_ids: Sequence[int],
     *,
     params: SamplingParams,
@@ -314,7 +314,7 @@ def speculative_steps(
 
 
 def _kept(
-    prefixes: Prefixes | None, target: ModelRunner, context: list[int], cache: DynamicCache
+    prefixes: Prefixes | None, target: Runner, context: list[int], cache: DynamicCache
 ) -> list[int]:
     """After the forward that fed the rest of the prompt: keep the prompt's KV for later calls
     (a concurrent call with the same prompt, or this one's next turn should it fail); returns
@@ -326,7 +326,7 @@ def _kept(
 
 def _keep_for_later(
     prefixes: Prefixes,
-    target: ModelRunner,
+    target: Runner,
     cache: DynamicCache,
     context: list[int],
     drafter: Drafter | None,

@@ -7,16 +7,15 @@ else.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from .acceptance import LenienceAcceptance, TopKAcceptance, TypicalAcceptance
-from .cache import ModelRunner, Prefixes
-from .costs import CostModel
 from .draft_model import build_draft_model, build_early_exit, check_early_exit, early_exit_layers
 from .drafters import Drafter, build_no_drafter, build_prompt_lookup
-from .history import SuffixIndex
+from .engine import Runner
+from .parts import DrafterSettings, DraftingParts
 from .schedule import Schedule
 from .suffix import build_auto, build_suffix
 
@@ -30,40 +29,6 @@ __all__ = [
 ]
 
 
-class DrafterSettings(Protocol):
-    """The policy's ``drafter`` block, as builders read it (``policy.schema.DrafterConfig``)."""
-
-    kind: str
-    num_speculative_tokens: int
-    adaptive: bool
-    confidence_threshold: float
-    lookup_guesses: bool
-    early_exit_layers: int | None
-    min_ngram: int
-    max_ngram: int
-    history: str
-    tree: bool
-
-
-@dataclass(frozen=True)
-class DraftingParts:
-    """What a runtime lends a builder: its models' runners and its costs."""
-
-    target: ModelRunner
-    draft: ModelRunner | None
-    prefixes: Prefixes | None
-    costs: Callable[[ModelRunner | None], CostModel]
-    """Step costs of drafting with a runner (None: a free drafter), measured or the prior."""
-    shallow: Callable[[int], ModelRunner]
-    """A runner over the target's first n layers (early exit), made once per n."""
-    num_layers: int
-    history: Sequence[SuffixIndex] = ()
-    """Earlier calls' text this call may draft from (its policy's history scope and tenant)."""
-    call_end: int | None = None
-    """The context length at which the call must end (prompt plus ``max_new_tokens``; None:
-    unknown): a draft model weighs what catching up costs against what the call has left."""
-
-
 Build = Callable[[Any, DraftingParts], "tuple[Drafter | None, Schedule]"]
 
 
@@ -72,7 +37,7 @@ class DrafterKind:
     """One drafter: how a call's drafter and schedule are built from the policy's settings."""
 
     build: Build
-    cost_runner: Callable[[Any, DraftingParts], ModelRunner | None] = lambda config, parts: None
+    cost_runner: Callable[[Any, DraftingParts], Runner | None] = lambda config, parts: None
     """The model whose forwards drafting costs (None: free; only verification is priced)."""
     needs_draft_model: bool = False
     check: Callable[[Any, int], str | None] = lambda config, num_layers: None

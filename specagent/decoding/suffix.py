@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import ForwardRequest
 from .costs import CostModel, expected_tokens, most_per_cost
+from .draft_model import build_draft_model
 from .drafters import (
     EMPTY,
     Drafter,
@@ -31,13 +31,14 @@ from .drafters import (
     _admissible,
     draft_steps,
 )
+from .engine import ForwardRequest
 from .history import Continuation, SuffixIndex, continuation, runner_up
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .tree import DraftTree
 
 if TYPE_CHECKING:
-    from .registry import DrafterSettings, DraftingParts
+    from .parts import DrafterSettings, DraftingParts
 
 __all__ = ["AutoDrafter", "SuffixDrafter", "build_auto", "build_suffix"]
 
@@ -344,8 +345,6 @@ def build_auto(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter |
     history = _history_drafter(config, parts)
     if parts.draft is None:
         return AutoDrafter(history), FixedSchedule(config.num_speculative_tokens)
-    from .draft_model import build_draft_model
-
     model, schedule = build_draft_model(config, parts)
     trees = config.tree and parts.target.takes_trees
     return (

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import residual_distribution
-from .cache import crop_to
 from .drafters import Proposal
+from .engine import crop_to
 from .sampling import sample
 
 __all__ = ["DraftTree", "TreeVerdict", "keep_path", "row_depths", "tree_mask", "verify_tree"]

@@ -22,7 +22,14 @@ import torch
 from ..catalog import CATALOG
 from ..errors import ModelLoadError
 
-__all__ = ["ENGINES", "EngineChoice", "EngineName", "choose_engine", "is_engine_model", "runner_for"]
+__all__ = [
+    "ENGINES",
+    "EngineChoice",
+    "EngineName",
+    "choose_engine",
+    "is_engine_model",
+    "runner_for",
+]
 
 EngineName = Literal["auto", "transformers", "llama.cpp"]
 ENGINES: tuple[str, ...] = ("auto", "transformers", "llama.cpp")
@@ -32,10 +39,10 @@ ENGINES: tuple[str, ...] = ("auto", "transformers", "llama.cpp")
 class EngineChoice:
     engine: str
     """``transformers`` or ``llama.cpp``."""
-    why: str
+    reason: str
 
     def to_json(self) -> dict[str, str]:
-        return {"engine": self.engine, "why": self.why}
+        return {"engine": self.engine, "reason": self.reason}
 
 
 def is_gguf_source(source: str) -> bool:
@@ -66,7 +73,9 @@ def choose_engine(engine: str, source: str, device: torch.device) -> EngineChoic
     if not gguf:
         return EngineChoice("transformers", "not a GGUF model")
     if device.type != "cpu":
-        return EngineChoice("transformers", f"a GGUF model on {device.type}: transformers' GPU path")
+        return EngineChoice(
+            "transformers", f"a GGUF model on {device.type}: transformers' GPU path"
+        )
     if not available():
         return EngineChoice(
             "transformers",

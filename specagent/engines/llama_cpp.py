@@ -150,7 +150,9 @@ class LlamaCppModel:
         model_params = lib.llama_model_default_params()
         model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not model:
-            raise ModelLoadError(f"llama.cpp could not load {self.path} (its log line above says why)")
+            raise ModelLoadError(
+                f"llama.cpp could not load {self.path} (its log line above says why)"
+            )
         self._model = model
         limit = int(lib.llama_max_parallel_sequences())
         self.max_sequences = max(1, min(max_sequences, limit))
@@ -231,7 +233,7 @@ class LlamaCppModel:
         """``evict`` (a bound method: held weakly) is called when the pool has no sequence id
         or no cell left; it drops one kept prefix and returns True, or False when it holds
         none. Every runtime over this model adds its prefix cache's."""
-        self._evictors.append(weakref.WeakMethod(evict))  # type: ignore[arg-type]
+        self._evictors.append(weakref.WeakMethod(evict))
 
     def _evict(self) -> bool:
         """Free one kept prefix through an evictor; False when none holds any."""
@@ -292,7 +294,9 @@ class LlamaCppModel:
                 seq.length = length
             raise
 
-    def _decode(self, items: Sequence[tuple[LlamaSequence, Sequence[int], int]]) -> list[np.ndarray]:
+    def _decode(
+        self, items: Sequence[tuple[LlamaSequence, Sequence[int], int]]
+    ) -> list[np.ndarray]:
         lib, batch, vocab = self._lib, self._batch, self.vocab_size
         outputs = [np.empty((keep, vocab), dtype=np.float32) for _, _, keep in items]
         rows: list[tuple[int, int, int, int, bool, int]] = []  # item, token, seq, pos, out, row
@@ -360,6 +364,7 @@ class LlamaCppRunner:
 
     kernels = None
     """No linear-kernel plan to measure (llama.cpp picks its kernels itself)."""
+    packed = None
     head_rows = None
     takes_trees = False
     """Token trees need a custom attention mask, which llama.cpp's batch API does not take."""

@@ -103,10 +103,10 @@ class SpecRuntime:
         self.draft = _placed(draft, self.device) if draft is not None else None
         self.tokenizer = tokenizer
         if self.draft is not None:
-            check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)  # type: ignore[arg-type]
-        self.vocab_size = model_vocab_size(self.target)  # type: ignore[arg-type]
-        self.context_window = context_window(self.target)  # type: ignore[arg-type]
-        eos = eos_token_ids(self.target, tokenizer)  # type: ignore[arg-type]
+            check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)
+        self.vocab_size = model_vocab_size(self.target)
+        self.context_window = context_window(self.target)
+        eos = eos_token_ids(self.target, tokenizer)
         self.model_name = model_name or _model_name(self.target)
         self.max_active = max_active
         self.max_queue = max_queue
@@ -116,7 +116,7 @@ class SpecRuntime:
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
         self.engine: str = str(getattr(target, "engine", "transformers"))
         """Which engine runs the forwards (``transformers`` or ``llama.cpp``)."""
-        self.engine_choice: dict[str, str] = {"engine": self.engine, "why": "model passed in"}
+        self.engine_choice: dict[str, str] = {"engine": self.engine, "reason": "model passed in"}
         """The engine and why it was chosen (``from_pretrained``'s ``engine``)."""
         check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
         if is_engine_model(self.target):
@@ -140,7 +140,7 @@ class SpecRuntime:
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
         for model in (self.target, self.draft):
-            if self.prefix_cache is not None and is_engine_model(model):
+            if model is not None and self.prefix_cache is not None and is_engine_model(model):
                 # Kept prefixes hold the engine's sequences: it frees one when it runs short.
                 model.add_evictor(self.prefix_cache.evict_oldest)
         self._engine = Engine(
@@ -174,7 +174,7 @@ class SpecRuntime:
         if rows == "auto":
             if self.draft is None:
                 return None
-            return head_rows_for(self.tokenizer, model_vocab_size(self.draft))  # type: ignore[arg-type]
+            return head_rows_for(self.tokenizer, model_vocab_size(self.draft))
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             msg = f"draft_head_rows must be 'auto', None or a positive int, got {rows!r}"
             raise ValueError(msg)

@@ -127,7 +127,7 @@ def _load_gguf_pair(
     target_model, tokenizer = loaded(target)
     draft_model, draft_tokenizer = loaded(draft) if draft is not None else (None, None)
     precision = {
-        role: {"dtype": "gguf", "why": f"as shipped: {model.description}"}
+        role: {"dtype": "gguf", "reason": f"the GGUF as shipped ({model.description})"}
         for role, model in (("target", target_model), ("draft", draft_model))
         if model is not None
     }

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import torch
 
-from ..decoding.cache import ForwardRequest, advance
+from ..decoding.engine import ForwardRequest, advance
 from ..decoding.loop import DecodeSteps
 from ..errors import GenerationError, RuntimeClosedError, RuntimeOverloadedError, SpecAgentError
 from .portal import current_async_library

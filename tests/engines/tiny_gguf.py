@@ -42,8 +42,11 @@ def make_qwen2(vocab_size: int, *, layers: int = 2, hidden: int = 64, seed: int 
     return model
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path, *, context: int = 1024) -> Path:
-    """``model`` (a Qwen2ForCausalLM) and ``tokenizer`` (byte-level BPE) as a float32 GGUF."""
+def write_gguf(
+    model: Any, tokenizer: Any, path: Path, *, context: int = 1024, extra: tuple[str, ...] = ()
+) -> Path:
+    """``model`` (a Qwen2ForCausalLM) and ``tokenizer`` (byte-level BPE) as a float32 GGUF;
+    ``extra``: control tokens after the tokenizer's (the model's vocabulary has room)."""
     import gguf
 
     config = model.config
@@ -62,8 +65,10 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, *, context: int = 1024) -
     vocab = tokenizer.get_vocab()
     size = int(model.get_output_embeddings().weight.shape[0])
     by_id = {i: t for t, i in vocab.items()}
+    for offset, text in enumerate(extra):
+        by_id[len(vocab) + offset] = text
     special = set(tokenizer.all_special_ids) | {
-        i for t, i in vocab.items() if t.startswith("<") and t.endswith(">")
+        i for i, t in by_id.items() if t.startswith("<") and t.endswith(">")
     }
     tokens, types = [], []
     for i in range(size):

@@ -1,0 +1,88 @@
+"""The decoding core's import layers: no module of ``specagent.decoding`` imports another that
+imports it back (at import time or inside a function), and the core never imports an engine, the
+runtime or a front door. The engines sit above the core's runner seam (``decoding.engine``)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "specagent"
+DECODING = PACKAGE / "decoding"
+
+
+def _runtime_imports(path: Path, root: Path = PACKAGE) -> set[str]:
+    """``specagent.*`` modules ``path`` (under the package directory ``root``) imports when it
+    runs (``if TYPE_CHECKING:`` blocks never run and are left out)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = ".".join(path.relative_to(root.parent).with_suffix("").parts[:-1])
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+            found.update(n for n in names if n.startswith("specagent"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("specagent"))
+    return found
+
+
+def _decoding_graph() -> dict[str, set[str]]:
+    modules = {f"specagent.decoding.{p.stem}": p for p in DECODING.glob("*.py")}
+    return {
+        name: {m for m in _runtime_imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+
+
+def test_no_import_cycle_in_the_decoding_core() -> None:
+    graph = _decoding_graph()
+    assert len(graph) > 10  # the walk found the modules
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*trail[trail.index(nxt) :], nxt] if nxt in trail else [node, nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+@pytest.mark.parametrize("path", sorted(DECODING.glob("*.py")), ids=lambda p: p.stem)
+def test_the_core_imports_no_engine_runtime_or_front_door(path: Path) -> None:
+    outside = {
+        m
+        for m in _runtime_imports(path)
+        if not m.startswith("specagent.decoding") and m != "specagent"
+    }
+    assert not outside, f"{path.name} imports {sorted(outside)}"
+
+
+def test_the_walk_finds_imports_at_import_time_and_inside_functions(tmp_path: Path) -> None:
+    """The checker itself: a planted pair of modules importing each other (one of them inside
+    a function) is seen both ways."""
+    planted = tmp_path / "specagent" / "decoding"
+    planted.mkdir(parents=True)
+    (planted / "a.py").write_text("from .b import x\n")
+    (planted / "b.py").write_text("def f():\n    from .a import y\n")
+    imports = {p.stem: _runtime_imports(p, tmp_path / "specagent") for p in planted.glob("*")}
+    assert imports == {"a": {"specagent.decoding.b"}, "b": {"specagent.decoding.a"}}
