@@ -243,15 +243,26 @@ def main() -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny random model on the target's tokenizer"
     )
+    parser.add_argument(
+        "--engine",
+        default="transformers",
+        choices=["transformers", "llama.cpp"],
+        help="llama.cpp: the target's GGUF as shipped (a catalog name or a .gguf path)",
+    )
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model(args.target)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = tiny_model(tokenizer) if args.tiny else AutoModelForCausalLM.from_pretrained(path)
-    model.eval()
-    name = f"tiny-llama-4x128 ({args.target} tokenizer)" if args.tiny else args.target
-    report: dict[str, Any] = {"target": name}
+    if args.engine == "llama.cpp":
+        loaded = SpecRuntime.from_pretrained(args.target, engine="llama.cpp")
+        model, tokenizer = loaded.target, loaded.tokenizer
+        name = f"{args.target} (llama.cpp: {model.description})"
+    else:
+        path = resolve_model(args.target)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = tiny_model(tokenizer) if args.tiny else AutoModelForCausalLM.from_pretrained(path)
+        model.eval()
+        name = f"tiny-llama-4x128 ({args.target} tokenizer)" if args.tiny else args.target
+    report: dict[str, Any] = {"target": name, "engine": args.engine}
     report["prefix_reuse"] = ttft_with_and_without_reuse(model, tokenizer, args.turns)
     print(json.dumps(report["prefix_reuse"], indent=1), flush=True)
     report["concurrency"] = concurrency(
@@ -259,6 +270,8 @@ def main() -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"runtime_load_{'tiny' if args.tiny else Path(args.target).name}"
+    if args.engine == "llama.cpp":
+        stem += "_llama_cpp"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     chart(report, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.json and .png")
