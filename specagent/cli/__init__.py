@@ -38,18 +38,25 @@ def _dispatch(args: argparse.Namespace) -> int | None:
             )
         return 0
     if args.command == "models":
-        from ..catalog import CATALOG, PAIRS, cache_dir, resolve_model
+        from ..catalog import CATALOG, PAIRS, cache_dir, gguf_path, resolve_gguf, resolve_model
 
         if args.action == "list":
             for model in CATALOG.values():
-                cached = (cache_dir() / "models" / model.name / "config.json").is_file()
-                print(f"{model.name:30s} {'cached' if cached else '':7s} {model.note}")
+                kept = [
+                    label
+                    for label, present in (
+                        ("gguf", gguf_path(model.name).is_file()),
+                        ("transformers", (cache_dir() / "models" / model.name).is_dir()),
+                    )
+                    if present
+                ]
+                print(f"{model.name:30s} {'+'.join(kept):17s} {model.note}")
             for pair, (target, draft) in PAIRS.items():
                 print(f"pair {pair}: target {target}, draft {draft}")
             return 0
         if args.action == "info":
             return _model_info(args)
-        print(resolve_model(args.name))
+        print(resolve_gguf(args.name) if args.gguf else resolve_model(args.name))
         return 0
     if args.command == "run":
         return _run(args)

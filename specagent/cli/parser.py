@@ -303,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers checkpoint in the cache and prints the path.",
     )
     fetch.add_argument("name", help="catalog name (see `specagent models list`)")
+    fetch.add_argument(
+        "--gguf",
+        action="store_true",
+        help="only the verified GGUF file, as the llama.cpp engine runs it (no conversion)",
+    )
     info = _command(
         models_sub,
         "info",

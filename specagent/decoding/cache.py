@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from ..errors import GenerationError
 from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
 from .engine import ForwardRequest, Runner, advance, crop_to
 from .kernels import LinearPlan, PackedWeights
@@ -631,7 +632,10 @@ class PrefixCache:
         if best_key is None:
             return None, 0
         self._entries.move_to_end(best_key)
-        cache = copy.deepcopy(self._entries[best_key])
+        try:
+            cache = copy.deepcopy(self._entries[best_key])
+        except GenerationError:  # an engine with no sequence left for the copy: start cold
+            return None, 0
         crop_to(cache, best_len)
         self.hits += 1
         self.reused_tokens += best_len
@@ -679,7 +683,10 @@ class PrefixCache:
         # A static cache is kept as an ordinary one cut to its length (a copy even when
         # ``copy`` is False: its slots would hold memory for positions it never fills).
         if copy or is_static(cache):
-            kept = _copied(cache)
+            try:
+                kept = _copied(cache)
+            except GenerationError:  # an engine with no sequence left for a copy: keep none
+                return
             crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
         else:
             kept = cache

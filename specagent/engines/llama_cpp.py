@@ -125,9 +125,10 @@ class LlamaCppModel:
 
     ``context_tokens`` sizes the shared KV pool (every live call and every kept prefix draws
     from it; kept prefixes share cells with the calls that made them); ``max_sequences``
-    bounds how many calls and kept prefixes exist at once; ``threads`` defaults to the CPUs
-    this process may use; ``batch_tokens`` is the most tokens one ``llama_decode`` takes (longer
-    forwards are split)."""
+    bounds how many calls, their drafts' KV and kept prefixes exist at once (llama.cpp allows
+    256; the default leaves a runtime's 64 active calls room for their prefixes); ``threads``
+    defaults to the CPUs this process may use; ``batch_tokens`` is the most tokens one
+    ``llama_decode`` takes (longer forwards are split)."""
 
     engine = ENGINE
 
@@ -136,7 +137,7 @@ class LlamaCppModel:
         path: str | Path,
         *,
         context_tokens: int = 32768,
-        max_sequences: int = 64,
+        max_sequences: int = 160,
         threads: int | None = None,
         batch_tokens: int = 512,
         name: str | None = None,

@@ -140,9 +140,10 @@ class SpecRuntime:
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
         for model in (self.target, self.draft):
-            if model is not None and self.prefix_cache is not None and is_engine_model(model):
+            add_evictor = getattr(model, "add_evictor", None)
+            if self.prefix_cache is not None and is_engine_model(model) and add_evictor:
                 # Kept prefixes hold the engine's sequences: it frees one when it runs short.
-                model.add_evictor(self.prefix_cache.evict_oldest)
+                add_evictor(self.prefix_cache.evict_oldest)
         self._engine = Engine(
             self.target,
             self.draft,

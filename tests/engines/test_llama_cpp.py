@@ -433,6 +433,22 @@ async def test_a_kept_prefix_is_reused_by_the_next_call(runtime, tokenizer) -> N
     assert other.usage.cached_input_tokens == 0  # never another tenant's KV
 
 
+@pytest.mark.anyio
+async def test_calls_go_on_when_no_sequence_is_left_for_a_kept_prefix(gguf_file, tokenizer) -> None:
+    """One sequence in all: a call's prompt cannot be copied for later calls, and the next call
+    cannot copy the finished one's KV; both skip the prefix cache and answer as plain would."""
+    model = LlamaCppModel(gguf_file, context_tokens=2048, max_sequences=1, threads=1)
+    rt = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
+    try:
+        text = " ".join(TEXTS) * 3
+        first = await rt.generate(text, policy="plain")
+        second = await rt.generate(text, policy="plain")
+        assert first.token_ids == second.token_ids
+        assert second.usage.cached_input_tokens == 0
+    finally:
+        rt.close()
+
+
 def test_early_exit_is_refused_on_llama_cpp(gguf_file, tokenizer) -> None:
     from specagent.errors import PolicyError
 

@@ -1,0 +1,201 @@
+"""The seam alone: an engine written here, with no transformers model or cache anywhere (its KV
+is a list of tokens, its logits a fixed function of the last two), runs every part of the
+decoding core through the public runtime: drafting, lossless and relaxed acceptance, prefix
+reuse, batching of concurrent calls. What it must offer is what ``docs/architecture.md`` says a
+new engine offers, and nothing more."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Sequence
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from conftest import PinnedCosts
+from scipy.stats import chisquare
+
+from specagent import SpecRuntime
+from specagent.decoding.sampling import SamplingParams, logits_to_probs
+from specagent.policy import Policy
+
+VOCAB = 12
+EOS = 2
+
+
+class TokenSequence:
+    """A call's 'KV': the tokens fed so far."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def get_seq_length(self) -> int:
+        return len(self.tokens)
+
+    def crop(self, max_length: int) -> None:
+        keep = len(self.tokens) + max_length if max_length < 0 else max_length
+        del self.tokens[keep:]
+
+
+def table_logits(context: Sequence[int]) -> torch.Tensor:
+    """The fake model: logits from the last two tokens, fixed by a seeded table."""
+    a = context[-2] if len(context) > 1 else 0
+    b = context[-1] if context else 0
+    gen = torch.Generator().manual_seed(1000 + 31 * a + b)
+    logits = torch.randn(VOCAB, generator=gen) * 2.0
+    logits[EOS] = -30.0  # calls end by length: every sample is STEPS long
+    return logits
+
+
+class FakeRunner:
+    kernels = None
+    packed = None
+    head_rows = None
+    takes_trees = False
+
+    def __init__(self, model: FakeModel, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.vocab_size = vocab_size or VOCAB
+        self.device = torch.device("cpu")
+
+    def new_cache(self) -> TokenSequence:
+        return TokenSequence()
+
+    def adopt(self, cache: TokenSequence) -> TokenSequence:
+        return cache
+
+    def forward(self, input_ids, cache, keep=None, tree=None, vocab=None) -> torch.Tensor:
+        return self.forward_batch([(input_ids, cache)], [keep])[0]
+
+    def forward_batch(self, requests, keep=None, vocabs=None) -> list[torch.Tensor]:
+        self.model.batches.append(len(requests))
+        out = []
+        for (tokens, cache), k in zip(requests, keep or [None] * len(requests), strict=True):
+            rows = []
+            for token in tokens:
+                cache.tokens.append(int(token))
+                rows.append(table_logits(cache.tokens))
+            logits = torch.stack(rows)
+            out.append(logits if k is None else logits[len(tokens) - k :])
+        return out
+
+
+class FakeModel:
+    engine = "fake"
+    vocab_size = VOCAB
+    context_window = 512
+    num_layers = 2
+    weight_bytes = 1000
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def runner(self, vocab_size: int | None = None) -> FakeRunner:
+        return FakeRunner(self, vocab_size)
+
+    def eos_token_ids(self) -> list[int]:
+        return [EOS]
+
+    def key(self) -> dict[str, str]:
+        return {"engine": "fake"}
+
+
+def _policy(name: str, drafter: dict, mode: str = "lossless", **extra) -> Policy:
+    return Policy.model_validate(
+        {"name": name, "description": "test", "mode": mode, "drafter": drafter, **extra}
+    )
+
+
+LOOKUP = _policy("lookup", {"kind": "prompt_lookup", "num_speculative_tokens": 3})
+PLAIN = _policy("plain", {"kind": "none"})
+RELAXED = _policy(
+    "relaxed",
+    {"kind": "prompt_lookup", "num_speculative_tokens": 3},
+    mode="relaxed",
+    acceptance={"rule": "typical", "epsilon": 0.3, "delta": 0.09},
+)
+
+
+@pytest.fixture
+def runtime():
+    rt = SpecRuntime(FakeModel(), policies=[LOOKUP, PLAIN, RELAXED], probe_store=PinnedCosts())
+    yield rt
+    rt.close()
+
+
+def _greedy(prompt: list[int], n: int) -> list[int]:
+    context, out = list(prompt), []
+    for _ in range(n):
+        token = int(table_logits(context).argmax())
+        out.append(token)
+        context.append(token)
+    return out
+
+
+PROMPT = [3, 7, 3, 7, 3]
+
+
+@pytest.mark.anyio
+async def test_greedy_calls_on_the_fake_engine_equal_its_greedy(runtime) -> None:
+    prompts = [[*PROMPT, i % VOCAB, 4, 5, 4, 5] for i in range(6)]
+    results: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        result = await runtime.generate(prompts[i], policy="lookup", max_new_tokens=20, seed=0)
+        results[i] = result.token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    for i, prompt in enumerate(prompts):
+        assert results[i] == _greedy(prompt, 20)
+    assert max(runtime.target.batches) > 1  # concurrent calls shared the engine's forwards
+
+
+@pytest.mark.anyio
+async def test_prefix_reuse_and_relaxed_divergence_on_the_fake_engine(runtime) -> None:
+    long = PROMPT * 8
+    first = await runtime.generate(long, policy="plain", max_new_tokens=8)
+    again = await runtime.generate(long, policy="plain", max_new_tokens=8)
+    assert first.token_ids == again.token_ids == _greedy(long, 8)
+    assert again.usage.cached_input_tokens >= 32  # the first call's KV, copied by deepcopy
+    relaxed = await runtime.generate(long, policy="relaxed", max_new_tokens=8, temperature=0.8)
+    assert relaxed.stats.divergence is not None
+    assert copy.deepcopy(TokenSequence()).tokens == []
+
+
+STEPS, N = 3, 2000
+
+
+@pytest.mark.slow
+def test_sampling_on_the_fake_engine_matches_its_distribution(runtime) -> None:
+    """Chi-square of 2,000 sampled calls (prompt lookup drafting, T 0.9, top-p 0.95) against
+    the exact marginals of the fake model's distribution, by enumeration."""
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    marginals = np.zeros((STEPS, VOCAB))
+    for prefix in itertools.product(range(VOCAB), repeat=STEPS - 1):
+        path = 1.0
+        for t in range(STEPS):
+            probs = logits_to_probs(table_logits([*PROMPT, *prefix[:t]])[None], params)[0]
+            probs = probs.double().numpy()
+            marginals[t] += path * probs / VOCAB ** (STEPS - 1 - t)
+            if t < STEPS - 1:
+                path *= probs[prefix[t]]
+    counts = np.zeros((STEPS, VOCAB))
+    for seed in range(N):
+        result = runtime.generate_sync(
+            PROMPT, policy="lookup", max_new_tokens=STEPS, temperature=0.9, top_p=0.95, seed=seed
+        )
+        for t, token in enumerate(result.token_ids):
+            counts[t, token] += 1
+    for t in range(STEPS):
+        expected = marginals[t] * N
+        big = expected >= 5
+        obs = np.append(counts[t][big], counts[t][~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        if exp[-1] == 0:
+            obs, exp = obs[:-1], exp[:-1]
+        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3, t
