@@ -81,6 +81,7 @@ def machine_info() -> dict[str, Any]:
         "mkl_version": _mkl_version(config),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "llama_cpp_python": _installed("llama-cpp-python"),
         "python": platform.python_version(),
         "accelerator": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
@@ -92,6 +93,16 @@ def _mkl_version(config: str) -> str | None:
         if "Math Kernel Library Version" in line:
             return line.split("Version", 1)[1].split("-")[0].strip()
     return None
+
+
+def _installed(distribution: str) -> str | None:
+    """An installed distribution's version, without importing it (None: not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def fingerprint() -> str:
