@@ -345,7 +345,7 @@ def _last_chunk(
         raise IncompleteOutputError(msg, output=result.text)
     tool_calls: tuple[ToolCall, ...] = ()
     if call.tools is not None and content:
-        parsed = parse_tool_calls(content, call.tool_names)
+        parsed = parse_tool_calls(content, call.tool_names or [])
         if parsed.tool_calls:
             content, tool_calls = parsed.content, tuple(parsed.tool_calls)
     return CallChunk(

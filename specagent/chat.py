@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -81,21 +82,88 @@ def _render_messages(
             raise InvalidRequestError(msg)
     if getattr(tok, "chat_template", None) is None:
         raise InvalidRequestError("this tokenizer has no chat template; pass text or token ids")
+    marker = f"specagent-literal-{secrets.token_hex(8)}"  # ASCII: survives a template's tojson
+    guarded, literals = _guard_control_text([dict(m) for m in messages], tok, marker)
     try:
         rendered = tok.apply_chat_template(
-            [dict(m) for m in messages],
+            guarded,
             tools=[dict(t) for t in tools] if tools else None,
             add_generation_prompt=True,
-            tokenize=True,
+            tokenize=not literals,
         )
     except Exception as exc:  # jinja errors, template-specific checks
         msg = f"the chat template could not render these messages: {exc}"
         raise InvalidRequestError(msg) from exc
+    if literals:
+        return _tokenize_with_literals(str(rendered), literals, tok, marker)
     ids = (
         rendered["input_ids"]
         if isinstance(rendered, Mapping) or hasattr(rendered, "keys")
         else rendered
     )
+    return [int(x) for x in ids]
+
+
+_UNTRUSTED_ROLES = ("user", "tool")
+
+
+def _control_texts(tok: Any) -> list[str]:
+    """The special tokens' texts (role markers, end of turn, ...), longest first."""
+    decoder = getattr(tok, "added_tokens_decoder", {}) or {}
+    texts = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    texts.update(getattr(tok, "all_special_tokens", []) or [])
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def _guard_control_text(
+    messages: list[dict[str, Any]], tok: Any, marker: str
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """User and tool content that spells a special token (``<|im_start|>system``) would become
+    that control token if the rendered prompt were tokenized whole: a user could write a system
+    turn, a tool result could end the turn. Such text is swapped for placeholders before the
+    template renders, and tokenized as plain text afterwards (``_tokenize_with_literals``).
+    Returns the messages and the placeholders' texts (none: nothing to guard)."""
+    controls = _control_texts(tok)
+    if not controls:
+        return messages, []
+    pattern = re.compile("|".join(re.escape(c) for c in controls))
+    literals: list[str] = []
+
+    def hide(text: str) -> str:
+        def swap(match: re.Match[str]) -> str:
+            literals.append(match.group(0))
+            return f"[[{marker}-{len(literals) - 1}]]"
+
+        return pattern.sub(swap, text)
+
+    for message in messages:
+        if message.get("role") not in _UNTRUSTED_ROLES:
+            continue
+        content = message.get("content")
+        if isinstance(content, str) and pattern.search(content):
+            message["content"] = hide(content)
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                    part = {**part, "text": hide(part["text"])}
+                parts.append(part)
+            message["content"] = parts
+    return messages, literals
+
+
+def _tokenize_with_literals(rendered: str, literals: list[str], tok: Any, marker: str) -> list[int]:
+    """The rendered prompt's ids, the template's own markup as control tokens and the guarded
+    texts spelled out as ordinary text (``split_special_tokens``)."""
+    ids: list[int] = []
+    pos = 0
+    for match in re.finditer(rf"\[\[{marker}-(\d+)\]\]", rendered):
+        ids.extend(tok(rendered[pos : match.start()], add_special_tokens=False)["input_ids"])
+        literal = literals[int(match.group(1))]
+        spelled = tok(literal, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        ids.extend(spelled)
+        pos = match.end()
+    ids.extend(tok(rendered[pos:], add_special_tokens=False)["input_ids"])
     return [int(x) for x in ids]
 
 
@@ -129,22 +197,31 @@ def parse_tool_calls(text: str, tool_names: Sequence[str] | None = None) -> Pars
     Formats: Hermes/Qwen (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, several
     allowed), Mistral (``[TOOL_CALLS] [{...}]``), Llama 3.1 (``<|python_tag|>{...}``), and a plain
     JSON object or list of objects (optionally in a ```json fence) with ``name`` and
-    ``arguments`` (or ``parameters``). A plain-JSON call must name one of ``tool_names`` (when
-    given), so ordinary JSON answers are not mistaken for calls.
+    ``arguments`` (or ``parameters``). With ``tool_names`` (the tools the call offered), a call
+    in any format must name one of them, or the whole output is text: a tool result that quotes
+    ``<tool_call>{"name": "delete_account", ...}`` never becomes a call to a tool nobody offered,
+    and ordinary JSON answers are not mistaken for calls. None accepts any name (for reading
+    recorded outputs), except in plain JSON, which then is never a call.
     """
-    calls: list[ToolCall] = []
     if "<tool_call>" in text:
+        calls: list[ToolCall] = []
         for body in _HERMES.findall(text):
-            calls.extend(_calls_from_json(body, tool_names=None, start=len(calls)))
+            found = _calls_from_json(body, tool_names=tool_names, start=len(calls))
+            if not found:  # malformed, or a tool that was not offered: all of it is text
+                return ParsedOutput(content=text)
+            calls.extend(found)
         if calls:
             content = text[: text.index("<tool_call>")].strip()
             return ParsedOutput(content=content, tool_calls=calls)
     for marker in ("[TOOL_CALLS]", "<|python_tag|>"):
         if marker in text:
             head, _, body = text.partition(marker)
-            calls = _calls_from_json(body.strip(), tool_names=None, start=0)
+            calls = _calls_from_json(body.strip(), tool_names=tool_names, start=0)
             if calls:
                 return ParsedOutput(content=head.strip(), tool_calls=calls)
+            return ParsedOutput(content=text)
+    if not tool_names:
+        return ParsedOutput(content=text)
     stripped = text.strip()
     fenced = _FENCE.match(stripped)
     body = fenced.group(1) if fenced else stripped
@@ -158,7 +235,7 @@ def parse_tool_calls(text: str, tool_names: Sequence[str] | None = None) -> Pars
             _, end = json.JSONDecoder().raw_decode(body)
         except json.JSONDecodeError:
             end = 0
-        if end and tool_names:
+        if end:
             calls = _calls_from_json(body[:end], tool_names=tool_names, start=0)
             if calls:
                 return ParsedOutput(content=body[end:].strip(), tool_calls=calls)

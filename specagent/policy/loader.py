@@ -98,7 +98,7 @@ def format_validation_error(exc: ValidationError) -> str:
             message = "unknown field (not part of the policy schema)"
         got = error.get("input")
         detail = (
-            f" (got: {got!r})"
+            f" (got: {_short(got)})"
             if error["type"] != "extra_forbidden" and not isinstance(got, dict)
             else ""
         )
@@ -117,3 +117,9 @@ def _location(parts: tuple[int | str, ...]) -> str:
             continue
         kept.append(str(part))
     return ".".join(kept)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A value's repr, cut so that an error never echoes a huge input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."

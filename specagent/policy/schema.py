@@ -18,6 +18,7 @@ from ..decoding.acceptance import (
     TypicalAcceptance,
 )
 from ..decoding.registry import DRAFTERS, RULES
+from ..decoding.stopping import check_stops
 
 __all__ = [
     "AcceptanceConfig",
@@ -123,9 +124,17 @@ class SamplingConfig(_Strict):
     top_k: int = Field(default=0, ge=0)
     max_new_tokens: int = Field(default=256, ge=1, le=1_000_000)
     stop: tuple[str, ...] = ()
-    """Stop strings; generation ends before them and they are not emitted."""
-    seed: int | None = None
+    """Stop strings; generation ends before them and they are not emitted (at most
+    ``MAX_STOPS``, each of at most ``MAX_STOP_CHARS`` characters)."""
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     """Default seed; None draws a fresh one per call."""
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stops: tuple[str, ...]) -> tuple[str, ...]:
+        if stops:
+            check_stops(stops)
+        return stops
 
 
 class TelemetryConfig(_Strict):

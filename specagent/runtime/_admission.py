@@ -100,8 +100,6 @@ class Admission:
             raise InvalidRequestError(
                 f"invalid call parameters: {format_validation_error(exc)}"
             ) from exc
-        if any(not s for s in sampling.stop):
-            raise InvalidRequestError("stop strings must be non-empty")
         prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size, tools=tools)
         budget = sampling.max_new_tokens
         if self.context_window is not None:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..decoding.loop import DecodeCounters, DecodeEvent
-from ..decoding.stopping import StopStrings
+from ..decoding.stopping import IncrementalText, StopStrings
 from ..results import GenerationResult, SpecStats, StreamChunk, Usage
 from ._admission import Request
 
@@ -33,17 +33,21 @@ class CallAssembler:
         self.token_ids: list[int] = []
         self.emitted = 0
         self.stops = StopStrings(request.stop, decode_text) if request.stop else None
+        self.text = self.stops.text if self.stops else IncrementalText(decode_text)
+        """The call's text so far, decoded a step at a time (never the whole output again)."""
 
     def chunk(self, event: DecodeEvent) -> StreamChunk | None:
         if event.token_ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         self.token_ids.extend(event.token_ids)
+        if self.stops is not None:
+            self.stops.feed(event.token_ids)
+        else:
+            self.text.extend(event.token_ids)
         if event.finish_reason is not None:
             return None
-        text = self.decode_text(self.token_ids)
-        safe = self.stops.safe_length(text) if self.stops else len(text)
-        while safe > self.emitted and text[safe - 1] == "\ufffd":  # incomplete character
-            safe -= 1
+        text = self.text.text
+        safe = self.stops.safe_length() if self.stops is not None else len(text)
         if safe <= self.emitted:
             return (
                 StreamChunk(text="", token_ids=list(event.token_ids)) if event.token_ids else None
@@ -55,9 +59,9 @@ class CallAssembler:
         self.chunk(event)
         now = time.perf_counter()
         output_ids = event.output_ids if event.output_ids is not None else self.token_ids
-        text = self.decode_text(self.token_ids)
-        cut = self.stops.find(text) if self.stops else None
-        text = text[:cut] if cut is not None else self.decode_text(output_ids)
+        cut = self.stops.cut if self.stops else None
+        # One whole decode per call, at its end: the result's text is exactly the tokenizer's.
+        text = self.text.text[:cut] if cut is not None else self.decode_text(output_ids)
         result = GenerationResult(
             text=text,
             token_ids=list(output_ids),
