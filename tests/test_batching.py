@@ -209,8 +209,9 @@ async def test_cancelled_calls_are_cut_short_and_free_their_slot_and_caches(runt
     settled = forwards[0]
     await anyio.sleep(0.2)
     assert forwards[0] == settled  # no step ran after the calls were dropped
-    # 400 tokens at <= 5 per step need >= 80 target forwards per call; 6 calls got far fewer.
-    assert settled < 6 * 80 / 4
+    # 400 tokens at <= 5 per step need >= 80 target forwards per call; 6 calls got far fewer
+    # (half, leaving room for a loaded machine's slower settling).
+    assert settled < 6 * 80 / 2
     gc.collect()
     assert caches
     assert [ref for ref in caches if ref() is not None] == []

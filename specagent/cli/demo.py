@@ -83,7 +83,14 @@ def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto"
     # Greedy (the policy's 0.3 overridden per call): lossless greedy output is the target's own
     # greedy output token for token, so every run shows the same answers. Sampled at 0.3, the
     # 0.5B model's answer left out the new delivery date in some runs.
-    agent = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=160, temperature=0.0)
+    # One shop's session: its calls share history and prefix KV (calls with no tenant share none).
+    agent = ChatSpecAgent(
+        runtime=runtime,
+        policy="customer-reply",
+        max_tokens=160,
+        temperature=0.0,
+        tenant="demo-shop",
+    )
     calls: list[tuple[str, Any, float]] = []
 
     def timed(label: str, fn: Any) -> Any:

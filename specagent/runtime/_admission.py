@@ -143,7 +143,9 @@ class Admission:
 
 def history_key(policy: Policy, tenant: str | None) -> tuple[str | None, ...] | None:
     """The key of the history a call reads and writes (``drafter.history``); the tenant is part
-    of every key but the runtime-wide one, which refuses calls that name a tenant."""
+    of every key but the runtime-wide one, which refuses calls that name a tenant. A call with
+    no tenant shares nothing under ``policy`` and ``tenant`` history: callers who are one
+    party say so by naming a tenant (the runtime cannot tell two anonymous callers apart)."""
     if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= 256):
         raise InvalidRequestError("tenant must be a non-empty string of at most 256 characters")
     if policy.drafter.kind not in ("suffix", "auto"):
@@ -151,6 +153,8 @@ def history_key(policy: Policy, tenant: str | None) -> tuple[str | None, ...] | 
     scope = policy.drafter.history
     if scope in ("none", "call"):
         return None
+    if tenant is None and scope in ("policy", "tenant"):
+        return None  # isolation by default: a call that names no one drafts from itself only
     if scope == "policy":
         return ("policy", tenant, policy.name)
     if scope == "tenant":

@@ -154,8 +154,11 @@ class Engine:
         kind = DRAFTERS[drafter_kind(policy, self.draft_runner is not None)]
         key, history = request.history_key, self.history
         # KV is reused within the call's tenant only: one tenant's prompts and outputs never
-        # seed another's forwards (nor, by timing, tell that they were sent).
-        prefixes = self.prefixes.scoped(request.tenant) if self.prefixes is not None else None
+        # seed another's forwards (nor, by timing, tell that they were sent). A call with no
+        # tenant reuses none: anonymous callers are not known to be one party.
+        prefixes = None
+        if self.prefixes is not None and request.tenant is not None:
+            prefixes = self.prefixes.scoped(request.tenant)
         if request.reproducible:
             prefixes = None  # KV from other calls' forwards would change its rounding
         parts = dataclasses.replace(

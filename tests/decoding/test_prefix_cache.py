@@ -95,8 +95,8 @@ def test_outputs_with_and_without_reuse_are_equal(target, draft, tokenizer, draf
     )
     for question in ("Where is order A-1?", "Refund for order B-2?", "Where is order A-1?"):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        a = with_reuse.generate_sync(messages, policy="p", max_new_tokens=20)
-        b = without.generate_sync(messages, policy="p", max_new_tokens=20)
+        a = with_reuse.generate_sync(messages, policy="p", max_new_tokens=20, tenant="t")
+        b = without.generate_sync(messages, policy="p", max_new_tokens=20, tenant="t")
         assert a.token_ids == b.token_ids
     assert with_reuse.prefix_cache is not None
     assert with_reuse.prefix_cache.hits >= 2
@@ -126,13 +126,13 @@ def test_the_next_turn_starts_from_the_kv_the_last_turn_left(target, draft, toke
     ]
     reused, cold = runtimes
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Order A-1?"}]
-    first = reused.generate_sync(messages, policy="p", max_new_tokens=16)
+    first = reused.generate_sync(messages, policy="p", max_new_tokens=16, tenant="t")
     assert first.token_ids == cold.generate_sync(messages, policy="p", max_new_tokens=16).token_ids
     prompt = render_prompt(messages, tokenizer, vocab_size=reused.vocab_size)
     assert reused.prefix_cache is not None
     before = reused.prefix_cache.reused_tokens
     follow_up = [*prompt, *first.token_ids, *tokenizer.encode("<|user|>And B-2?<|assistant|>")]
-    second = reused.generate_sync(follow_up, policy="p", max_new_tokens=16)
+    second = reused.generate_sync(follow_up, policy="p", max_new_tokens=16, tenant="t")
     alone = cold.generate_sync(follow_up, policy="p", max_new_tokens=16)
     assert second.token_ids == alone.token_ids
     gained = reused.prefix_cache.reused_tokens - before
@@ -156,4 +156,29 @@ def test_kv_is_reused_within_a_tenant_only(target, draft, tokenizer) -> None:
     assert rt.prefix_cache.hits == 0  # the same prompt, another tenant: prefilled again
     rt.generate_sync(messages, policy="p", max_new_tokens=8, tenant="acme")
     assert rt.prefix_cache.hits >= 1
+    rt.close()
+
+
+def test_calls_that_name_no_tenant_share_nothing(target, draft, tokenizer) -> None:
+    """Two anonymous callers are not known to be one party: neither starts from the other's
+    KV nor drafts from the other's text (a policy whose history is the tenant's)."""
+    shared = Policy(
+        name="shared",
+        description="d",
+        mode="lossless",
+        drafter={"kind": "suffix", "history": "tenant", "num_speculative_tokens": 4},
+    )
+    rt = SpecRuntime(target, draft, tokenizer, [conversation_policy(), shared], "cpu")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Order A-1?"}]
+    assert rt.prefix_cache is not None
+    assert rt.history is not None
+    for policy in ("p", "shared"):
+        first = rt.generate_sync(messages, policy=policy, max_new_tokens=8)
+        again = rt.generate_sync(messages, policy=policy, max_new_tokens=8)
+        assert first.token_ids == again.token_ids
+        assert again.usage.cached_input_tokens == 0
+    assert rt.prefix_cache.hits == 0
+    assert rt.history.stats()["documents"] == 0  # nothing kept for anyone to draft from
+    rt.generate_sync(messages, policy="shared", max_new_tokens=8, tenant="acme")
+    assert rt.history.stats()["documents"] == 1  # a named tenant's calls are kept for it
     rt.close()

@@ -158,8 +158,8 @@ async def test_greedy_calls_on_the_fake_engine_equal_its_greedy(runtime) -> None
 @pytest.mark.anyio
 async def test_prefix_reuse_and_relaxed_divergence_on_the_fake_engine(runtime) -> None:
     long = PROMPT * 8
-    first = await runtime.generate(long, policy="plain", max_new_tokens=8)
-    again = await runtime.generate(long, policy="plain", max_new_tokens=8)
+    first = await runtime.generate(long, policy="plain", max_new_tokens=8, tenant="t")
+    again = await runtime.generate(long, policy="plain", max_new_tokens=8, tenant="t")
     assert first.token_ids == again.token_ids == _greedy(long, 8)
     assert again.usage.cached_input_tokens >= 32  # the first call's KV, copied by deepcopy
     relaxed = await runtime.generate(long, policy="relaxed", max_new_tokens=8, temperature=0.8)

@@ -441,8 +441,8 @@ async def test_calls_go_on_when_no_sequence_is_left_for_a_kept_prefix(gguf_file,
     rt = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
     try:
         text = " ".join(TEXTS) * 3
-        first = await rt.generate(text, policy="plain")
-        second = await rt.generate(text, policy="plain")
+        first = await rt.generate(text, policy="plain", tenant="t")
+        second = await rt.generate(text, policy="plain", tenant="t")
         assert first.token_ids == second.token_ids
         assert second.usage.cached_input_tokens == 0
     finally:

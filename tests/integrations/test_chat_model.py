@@ -270,3 +270,27 @@ def test_truncated_constrained_output_is_a_clear_error(chat) -> None:
 def test_needs_a_runtime_or_a_target() -> None:
     with pytest.raises(ValueError, match="needs runtime"):
         ChatSpecAgent()
+
+
+def test_the_model_tenant_wins_over_call_metadata(runtime) -> None:
+    """Metadata can come from a client: it may not move a call into another tenant's history
+    and prefixes, unless the model allows it. Calls with no tenant share no prefix KV."""
+    messages = [HumanMessage(content="The same long question, asked again and again. " * 8)]
+
+    def cached(chat: ChatSpecAgent, **config) -> int:
+        reply = chat.invoke(messages, config=config)
+        return reply.usage_metadata["input_token_details"]["cache_read"]
+
+    anonymous = ChatSpecAgent(runtime=runtime, policy="exact", max_tokens=4)
+    cached(anonymous)
+    assert cached(anonymous) == 0
+    fixed = ChatSpecAgent(runtime=runtime, policy="exact", max_tokens=4, tenant="acme")
+    cached(fixed)
+    assert cached(fixed) > 0
+    with pytest.raises(ValueError, match="serves tenant 'acme'"):
+        fixed.invoke(messages, config={"metadata": {"specagent_tenant": "globex"}})
+    assert cached(fixed, metadata={"specagent_tenant": "acme"}) > 0
+    routed = ChatSpecAgent(
+        runtime=runtime, policy="exact", max_tokens=4, tenant="acme", allow_tenant_override=True
+    )
+    assert cached(routed, metadata={"specagent_tenant": "globex"}) == 0  # globex's own scope

@@ -133,7 +133,14 @@ class ChatSpecAgent(BaseChatModel):
     """Retries when the runtime is overloaded or a decoding step failed, before any output."""
     seed: int | None = None
     tenant: str | None = None
-    """Default tenant of this model's calls (a call's ``specagent_tenant`` metadata wins)."""
+    """Who this model's calls are for: policies that draft from earlier calls' text, and the
+    prefix cache, share only within a tenant; calls with no tenant share nothing. When set, a
+    call's ``specagent_tenant`` metadata (or ``tenant=``) may not name another one, unless
+    ``allow_tenant_override``: metadata can come from a client, and must not pick whose text
+    a call drafts from."""
+    allow_tenant_override: bool = False
+    """Let a call's metadata or ``tenant=`` name a tenant other than ``tenant`` (for a model
+    shared by a trusted router that sets the tenant per call)."""
     streaming: bool = False
     """Kept for compatibility with LangChain's ``streaming=True``; ``invoke`` always works."""
     guard_answers: bool = True
@@ -339,6 +346,19 @@ class ChatSpecAgent(BaseChatModel):
 
     # ------------------------------------------------------------------ the one async core
 
+    def _tenant(self, asked: Any) -> str | None:
+        """The call's tenant: the model's own, unless overriding is allowed or it has none."""
+        if asked is None or asked == self.tenant:
+            return self.tenant
+        if self.tenant is not None and not self.allow_tenant_override:
+            msg = (
+                f"this model serves tenant {self.tenant!r}; a call may not name another "
+                f"(got {TENANT_METADATA_KEY} = {str(asked)[:64]!r}); set "
+                "allow_tenant_override=True where a trusted caller picks the tenant"
+            )
+            raise ValueError(msg)
+        return asked
+
     def _runtime(self) -> Backend:
         if self.runtime is not None:
             return self.runtime  # type: ignore[no-any-return]
@@ -391,7 +411,7 @@ class ChatSpecAgent(BaseChatModel):
             or model_policy
             or None,
             tags=list(getattr(run_manager, "tags", None) or []),
-            tenant=kwargs.pop("tenant", None) or metadata.get(TENANT_METADATA_KEY) or self.tenant,
+            tenant=self._tenant(kwargs.pop("tenant", None) or metadata.get(TENANT_METADATA_KEY)),
             default_policy=self.policy,
             tools=kwargs.pop("tools", None),
             tool_choice=kwargs.pop("tool_choice", None),
