@@ -184,7 +184,11 @@ def tool_choice_name(tool_choice: Any, names: Sequence[str]) -> str | None:
     "any" (for "any", "required" and True), or a tool's name (from a name or a
     ``{"type": "function", "function": {"name": ...}}`` object)."""
     if isinstance(tool_choice, Mapping):
-        tool_choice = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+        function = tool_choice.get("function")
+        if function is not None and not isinstance(function, Mapping):
+            msg = "tool_choice: 'function' must be an object {'name': ...}"
+            raise InvalidRequestError(msg)
+        tool_choice = (function or {}).get("name") or tool_choice.get("name")
     if tool_choice is True or tool_choice == "required":
         return "any"
     if tool_choice is None or tool_choice is False:
@@ -206,12 +210,19 @@ def constraint_for(
     """The grammar a call's output must follow: its response format, or a call of the tools
     ``tool_choice`` requires; None when the output is free."""
     if response_format is not None:
+        if not isinstance(response_format, Mapping):
+            msg = "response_format must be an object such as {'type': 'json_object'}"
+            raise InvalidRequestError(msg)
         kind = response_format.get("type")
         if kind == "json_object":
             return Constraint.json_object(compact=False)
         if kind == "json_schema":
             spec = response_format.get("json_schema") or {}
-            return Constraint.json_schema(spec.get("schema", spec), strict=True, compact=False)
+            schema = spec.get("schema", spec) if isinstance(spec, Mapping) else None
+            if not isinstance(schema, Mapping):
+                msg = "response_format.json_schema must be an object with a 'schema' object"
+                raise InvalidRequestError(msg)
+            return Constraint.json_schema(schema, strict=True, compact=False)
         if kind == "text":
             return None
         msg = f"response_format type must be text, json_object or json_schema, got {kind!r}"

@@ -66,9 +66,15 @@ class Constraint:
         """Output is one call of one of ``tools`` (OpenAI function format) as plain JSON:
         ``{"name": "<tool>", "arguments": {...valid for its parameters...}}``."""
         options = []
-        for tool in tools:
-            function = tool.get("function", tool)
-            parameters = _strict(dict(function.get("parameters") or {"type": "object"}))
+        for i, tool in enumerate(tools):
+            function = tool.get("function", tool) if isinstance(tool, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise InvalidRequestError(f"tools[{i}]: a function with a name is required")
+            parameters = function.get("parameters") or {"type": "object"}
+            if not isinstance(parameters, Mapping):
+                msg = f"tools[{i}].function.parameters must be a JSON schema object"
+                raise InvalidRequestError(msg)
+            parameters = _strict(dict(parameters))
             options.append(
                 {
                     "type": "object",

@@ -330,3 +330,47 @@ async def test_soak_mixed_calls_cancellations_and_bad_inputs(runtime, tokenizer)
     assert sum(outcomes.values()) == 300
     assert min(outcomes.values()) > 10
     assert counts[-1] <= counts[1] + 20, counts  # flat after the first wave's warm-up
+
+
+class _Escaped(BaseException):
+    """Not an Exception: what a buggy drafter or grammar callback might still raise."""
+
+
+@pytest.mark.anyio
+async def test_one_call_raising_anything_fails_that_call_only(runtime) -> None:
+    """A step of one call that raises even a BaseException fails that call with a clear error;
+    the worker survives, the calls batched with it finish with their own tokens, and later
+    calls run. (The faulty step is planted by wrapping the engine's decode: no public hook
+    injects one.)"""
+    calls = _random_calls(4, seed=11)
+    alone = [await _all_at_once(runtime, [call]) for call in calls]
+    real = runtime._engine.decode
+
+    def decode(request, device):
+        steps = real(request, device)
+        if request.seed != 666:
+            return steps
+
+        def failing():
+            yield next(steps)
+            raise _Escaped("a planted failure")
+
+        return failing()
+
+    runtime._engine.decode = decode
+    faulty = {"prompt": [9, 10, 11], "policy": MIXED[0].name, "max_new_tokens": 20, "seed": 666}
+    failures: list[BaseException] = []
+
+    async def bad() -> None:
+        try:
+            await runtime.generate(faulty.pop("prompt"), **faulty)
+        except GenerationError as exc:
+            failures.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(bad)
+        together = await _all_at_once(runtime, calls)
+    assert len(failures) == 1
+    assert "_Escaped" in str(failures[0])
+    assert together == [a[0] for a in alone]
+    assert (await _all_at_once(runtime, calls[:1]))[0] == alone[0][0]

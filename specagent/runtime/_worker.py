@@ -240,7 +240,7 @@ class Worker:
             return
         try:
             job.steps = self.decode(job.request)
-        except Exception as exc:
+        except BaseException as exc:  # one call's failure is that call's alone
             job.sink.put(("error", as_generation_error(exc)))
             return
         self.active.append(job)
@@ -276,7 +276,7 @@ class Worker:
                 assert request is not None
                 try:
                     reply = logits[i] if logits is not None and i < len(jobs) else request.run()
-                except Exception as exc:
+                except BaseException as exc:  # fails this call, not the worker
                     self._fail(job, exc)
                     continue
                 self._resume(job, reply)
@@ -299,10 +299,10 @@ class Worker:
                 job.sink.put(("tokens", item))
         except StopIteration:
             self._finish(job)
-        except Exception as exc:
+        except BaseException as exc:  # a drafter's or a grammar's, say
             self._fail(job, exc)
 
-    def _fail(self, job: Job, exc: Exception) -> None:
+    def _fail(self, job: Job, exc: BaseException) -> None:
         self._finish(job)
         release_device_memory(exc)
         job.sink.put(("error", as_generation_error(exc)))
@@ -320,7 +320,7 @@ def _reproducible(job: Job) -> bool:
     return bool(getattr(job.request, "reproducible", False))
 
 
-def as_generation_error(exc: Exception) -> SpecAgentError:
+def as_generation_error(exc: BaseException) -> SpecAgentError:
     if isinstance(exc, SpecAgentError):
         return exc
     if isinstance(exc, torch.cuda.OutOfMemoryError):
@@ -331,6 +331,6 @@ def as_generation_error(exc: Exception) -> SpecAgentError:
     return error
 
 
-def release_device_memory(exc: Exception) -> None:
+def release_device_memory(exc: BaseException) -> None:
     if isinstance(exc, torch.cuda.OutOfMemoryError) and torch.cuda.is_available():
         torch.cuda.empty_cache()

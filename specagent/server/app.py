@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,10 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     async def _spec_error(request: Request, exc: SpecAgentError) -> Response:
         return _as_api_error(exc).response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return _as_api_error(exc).response()
+
     app.state.drain = lambda: setattr(draining, "on", True)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     return app
@@ -354,8 +359,12 @@ def _as_api_error(exc: Exception) -> ApiError:
         return ApiError(503, str(exc), "unavailable")
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return ApiError(422, str(exc), "invalid_request_error", param=_param_of(str(exc)))
-    log.exception("call failed", exc_info=exc)
-    return ApiError(500, f"the call failed: {exc}", "server_error")
+    # The exception's text is the server's business (paths, tensor shapes, other calls'
+    # state): the log has it under an id the client can quote.
+    error_id = secrets.token_hex(6)
+    log.error("call failed (error id %s)", error_id, exc_info=exc)
+    message = f"the call failed on the server (error id {error_id}; its log has the details)"
+    return ApiError(500, message, "server_error")
 
 
 def _param_of(message: str) -> str | None:
@@ -424,7 +433,7 @@ async def _sse(
             if include_usage:
                 yield _event(stream_chunk(request_id, model, usage=usage_body(chunk.result)))
         yield {"data": "[DONE]"}
-    except SpecAgentError as exc:  # after the first chunk: the status line is already sent
+    except Exception as exc:  # after the first chunk: the status line is already sent
         api = _as_api_error(exc)
         yield _event(error_body(str(api), api.kind, api.param, api.code))
     finally:

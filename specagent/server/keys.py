@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from ..errors import SpecAgentError
 __all__ = ["ApiKey", "KeyConfigError", "KeyStore", "hash_key"]
 
 ENV_VAR = "SPECAGENT_API_KEYS"
+MIN_KEY_CHARS = 16
+_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 
 
 class KeyConfigError(SpecAgentError, ValueError):
@@ -51,7 +54,7 @@ class ApiKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.:@-]+$")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:@-]+$")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     policies: tuple[str, ...] = ("*",)
     requests_per_minute: int | None = Field(default=None, ge=1)
@@ -84,6 +87,15 @@ class KeyStore:
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
             raise KeyConfigError(f"API key names must be unique; repeated: {duplicated}")
+        by_hash: dict[str, str] = {}
+        for key in self.keys:
+            if key.sha256 in by_hash:
+                msg = (
+                    f"the same API key is listed as {by_hash[key.sha256]!r} and {key.name!r}: "
+                    "a key has one name (its tenant) and one set of limits"
+                )
+                raise KeyConfigError(msg)
+            by_hash[key.sha256] = key.name
         if not self.keys and not open:
             msg = (
                 "no API keys configured: pass --api-keys FILE or set SPECAGENT_API_KEYS "
@@ -137,17 +149,19 @@ def _read_file(path: Path) -> list[ApiKey]:
 
 
 def _parse_env(raw: str) -> Sequence[ApiKey]:
+    """``name=key`` pairs or bare keys. An entry is a pair only when what precedes its first
+    ``=`` is a valid key name and what follows is a whole key: a bare key may contain ``=``
+    (base64 padding), and is then never split. Errors name the entry by position, never by
+    any part of its text (which may be a key)."""
     keys = []
     for i, item in enumerate(part.strip() for part in raw.split(",")):
         if not item:
             continue
         name, sep, key = item.partition("=")
-        if not sep:
+        if not (sep and _NAME.fullmatch(name) and len(key) >= MIN_KEY_CHARS):
             name, key = f"env-{i}", item
-        if len(key) < 16:
-            raise KeyConfigError(f"{ENV_VAR}: key {name!r} is shorter than 16 characters")
-        try:
-            keys.append(ApiKey(name=name, sha256=hash_key(key)))
-        except ValidationError as exc:
-            raise KeyConfigError(f"{ENV_VAR}: invalid key name {name!r}") from exc
+        if len(key) < MIN_KEY_CHARS:
+            msg = f"{ENV_VAR}: entry {i + 1} holds a key shorter than {MIN_KEY_CHARS} characters"
+            raise KeyConfigError(msg)
+        keys.append(ApiKey(name=name, sha256=hash_key(key)))
     return keys

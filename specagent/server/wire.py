@@ -29,6 +29,14 @@ __all__ = [
 ]
 
 
+MAX_MESSAGES = 2048
+"""The most messages one call may send."""
+MAX_TOOLS = 128
+"""The most tools one call may offer."""
+MAX_TOOL_BYTES = 32768
+"""The largest tool definition (name, description and parameter schema), as JSON."""
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: str
@@ -83,7 +91,7 @@ class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
@@ -120,12 +128,40 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("tools")
     @classmethod
     def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value is not None and len(value) > MAX_TOOLS:
+            raise ValueError(f"{len(value)} tools; at most {MAX_TOOLS} per call")
         for i, tool in enumerate(value or ()):
             function = tool.get("function")
             if tool.get("type") != "function" or not isinstance(function, dict):
                 raise ValueError(f"tool {i}: only {{'type': 'function', 'function': ...}}")
             if not isinstance(function.get("name"), str) or not function["name"]:
                 raise ValueError(f"tool {i}: function.name is required")
+            parameters = function.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise ValueError(f"tool {i}: function.parameters must be a JSON schema object")
+            size = len(json.dumps(tool))
+            if size > MAX_TOOL_BYTES:
+                msg = f"tool {i}: its definition is {size} bytes; at most {MAX_TOOL_BYTES}"
+                raise ValueError(msg)
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> Any:
+        if isinstance(value, dict):
+            function = value.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                msg = "an object tool_choice is {'type': 'function', 'function': {'name': ...}}"
+                raise ValueError(msg)
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_shape(cls, value: dict[str, Any] | None) -> Any:
+        if value is not None and value.get("type") == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", spec), dict):
+                raise ValueError("json_schema must be an object with a 'schema' object")
         return value
 
     @property

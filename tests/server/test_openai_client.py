@@ -231,6 +231,15 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
         ({"tool_choice": "get_time"}, None),
         ({"response_format": {"type": "yaml"}}, None),
         ({"logprobs": True}, "logprobs"),
+        # Malformed shapes, each once a 500 with a traceback.
+        ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice"),
+        ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools",
+        ),
+        ({"stop": ["x"] * 17}, None),
+        ({"stop": ["y" * 257]}, None),
     ],
 )
 def test_bad_fields_are_422_naming_the_field(live: Live, fields: dict, param: str | None) -> None:
@@ -242,7 +251,19 @@ def test_bad_fields_are_422_naming_the_field(live: Live, fields: dict, param: st
     if param is not None:
         assert error["param"].startswith(param), error
     else:
-        assert any(word in error["message"] for word in ("tool_choice", "response_format"))
+        words = ("tool_choice", "response_format", "seed", "stop")
+        assert any(word in error["message"] for word in words), error
+
+
+def test_a_seed_out_of_range_is_422_not_500(live: Live) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "seed": 2**70}
+    response = httpx.post(
+        f"{live.base_url}/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEYS['full']}"},
+    )
+    assert response.status_code == 422, response.text
+    assert "seed" in response.json()["error"]["message"]
 
 
 def test_body_too_large_is_413(live: Live) -> None:
@@ -317,3 +338,27 @@ def test_a_client_that_disconnects_cancels_its_call(live: Live) -> None:
         assert live.app.state.limits.in_flight("full") == 0
     finally:
         live.runtime.eos_token_ids = saved
+
+
+def test_a_failing_call_answers_500_without_internal_text(live: Live) -> None:
+    """The exception's text (here a path) stays in the server's log, under an id the error
+    body gives; streamed or not. (Planted by wrapping the engine's decode: no public hook
+    makes a call fail inside.)"""
+    engine = live.runtime._engine
+    real = engine.decode
+
+    def decode(request, device):
+        raise RuntimeError("cannot open /srv/secret/weights.bin")
+
+    engine.decode = decode
+    try:
+        with pytest.raises(openai.InternalServerError) as failed:
+            client(live).with_options(max_retries=0).chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=4
+            )
+        message = failed.value.body["message"]
+        assert "error id" in message
+        assert "secret" not in message
+        assert "RuntimeError" not in message
+    finally:
+        engine.decode = real
