@@ -6,6 +6,7 @@ Public names only; everything else is private to its module.
 from ._version import __version__
 from .backend import Backend
 from .errors import (
+    CallTimeoutError,
     ContextLengthError,
     EvaluationError,
     GenerationError,
@@ -32,6 +33,7 @@ from .runtime import SpecRuntime
 
 __all__ = [
     "Backend",
+    "CallTimeoutError",
     "ContextLengthError",
     "EvaluationError",
     "GenerationError",

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
+    "CallTimeoutError",
     "ContextLengthError",
     "EvaluationError",
     "GenerationError",
@@ -92,6 +93,10 @@ class RuntimeClosedError(SpecAgentError, RuntimeError):
 
 class RuntimeOverloadedError(SpecAgentError, RuntimeError):
     """Too many calls are waiting; the call was refused rather than queued without bound."""
+
+
+class CallTimeoutError(SpecAgentError, TimeoutError):
+    """The call passed its deadline (``timeout``), queueing included; it was cancelled."""
 
 
 class GenerationError(SpecAgentError, RuntimeError):

@@ -144,7 +144,12 @@ def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         keys=keys,
         options=ServerOptions(
-            max_body_bytes=args.max_body_bytes, default_policy=args.default_policy
+            max_body_bytes=args.max_body_bytes,
+            default_policy=args.default_policy,
+            max_tokens=args.max_tokens,
+            timeout_s=args.timeout,
+            max_concurrent=args.max_concurrent,
+            metrics_public=args.metrics_public,
         ),
         drain_seconds=args.drain_seconds,
         dtype=args.dtype,

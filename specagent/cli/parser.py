@@ -227,6 +227,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413"
     )
     serve.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help="most new tokens a call may ask for (a key's max_tokens replaces it)",
+    )
+    serve.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="each call's deadline in seconds, queueing included (a key's timeout_s replaces it)",
+    )
+    serve.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=64,
+        help="calls in flight per key, for keys that set no max_concurrent",
+    )
+    serve.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without a key (default: a key that may use every policy)",
+    )
+    serve.add_argument(
         "--max-queue", type=int, default=256, help="calls waiting beyond this get 429"
     )
     serve.add_argument(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
@@ -35,7 +36,7 @@ from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.vocab import head_rows_for
 from ..engines import is_engine_model
-from ..errors import GenerationError, PolicyError
+from ..errors import CallTimeoutError, GenerationError, PolicyError
 from ..grammar import Constraint
 from ..machine import ProbeStore
 from ..models import (
@@ -449,25 +450,32 @@ class SpecRuntime:
         sink = AsyncSink()
         job = Job(request, sink)
         finished = False
+        # An absolute deadline, checked around each wait: a cancel scope held across the
+        # ``yield``s would fire inside the caller's own code between chunks.
+        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
         try:
-            with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
-                self._ensure_worker().submit(job)
-                drafter = self.drafter_kind(request.policy)
-                assembler = CallAssembler(request, time.perf_counter(), self._decode_text, drafter)
-                while True:
-                    kind, payload = await sink.get()
-                    if kind == "error":
-                        raise payload
-                    if kind == "done":
-                        last, result = assembler.finish(payload)
-                        self._telemetry.end_call(call, result)
-                        finished = True
-                        yield last
-                        return
-                    chunk = assembler.chunk(payload)
-                    if chunk is not None:
-                        self._telemetry.chunk(call)
-                        yield chunk
+            self._ensure_worker().submit(job)
+            drafter = self.drafter_kind(request.policy)
+            assembler = CallAssembler(request, time.perf_counter(), self._decode_text, drafter)
+            while True:
+                got = None
+                with anyio.move_on_after(deadline - anyio.current_time()):
+                    got = await sink.get()
+                if got is None:
+                    raise CallTimeoutError(f"the call passed its deadline of {timeout} s")
+                kind, payload = got
+                if kind == "error":
+                    raise payload
+                if kind == "done":
+                    last, result = assembler.finish(payload)
+                    self._telemetry.end_call(call, result)
+                    finished = True
+                    yield last
+                    return
+                chunk = assembler.chunk(payload)
+                if chunk is not None:
+                    self._telemetry.chunk(call)
+                    yield chunk
         except BaseException as exc:
             self._telemetry.fail_call(call, exc)
             raise

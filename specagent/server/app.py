@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from sse_starlette import EventSourceResponse
 from ..backend import Backend
 from ..calls import CallChunk, CallSpec, run_call, split_model
 from ..errors import (
+    CallTimeoutError,
     ContextLengthError,
     InvalidRequestError,
     ModelNotFoundError,
@@ -70,6 +71,17 @@ class ServerOptions:
     lossless default)."""
     metrics: Callable[[], bytes] | None = None
     """Prometheus text of the runtime's instruments (``specagent.server.metrics``)."""
+    metrics_public: bool = False
+    """Serve ``/metrics`` without a key (for a scraper on a private network). By default it
+    needs a key that may use every policy: the metrics name the model and every policy."""
+    max_tokens: int = 4096
+    """The most new tokens a call may ask for (a key's ``max_tokens`` replaces it); a call
+    that asks for none gets its policy's default."""
+    timeout_s: float | None = 600.0
+    """Each call's deadline, queueing included (a key's ``timeout_s`` replaces it); None:
+    none."""
+    max_concurrent: int | None = 64
+    """Calls in flight per key, for keys that set no ``max_concurrent`` of their own."""
 
 
 class _Draining:
@@ -127,7 +139,12 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not options.metrics_public:
+            key = _authenticate(keys, request)
+            if "*" not in key.policies:
+                message = f"API key {key.name!r} may not read the metrics (they name every policy)"
+                raise ApiError(403, message, "permission_error", code="metrics_denied")
         if options.metrics is None:
             raise ApiError(404, "metrics are not enabled on this server", "not_found_error")
         return PlainTextResponse(
@@ -154,7 +171,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         body = _parse(await request.body())
         call = _call_spec(backend, body, request, key, options)
         try:
-            release = limits.acquire(key)
+            release = limits.acquire(key, default_concurrent=options.max_concurrent)
         except Limited as exc:
             raise ApiError(
                 429,
@@ -166,25 +183,24 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         model = body.model
         request_id = completion_id()
         chunks = run_call(backend, call, allow_incomplete=True)  # an async generator
+        if not body.stream:
+            try:
+                whole = await _unless_disconnected(request, _collect(chunks))
+            except SpecAgentError as exc:
+                raise _as_api_error(exc) from None
+            finally:
+                release()
+                with anyio.CancelScope(shield=True):
+                    await chunks.aclose()
+            if whole is None:  # the client went away: the call was cancelled, nobody reads this
+                return Response(status_code=499)
+            return JSONResponse(completion(request_id, model, whole))
         try:
             first = await _first(chunks)
         except BaseException:
             release()
             await chunks.aclose()
             raise
-        if not body.stream:
-            try:
-                text: list[str] = []
-                async for chunk in _chain(first, chunks):
-                    if chunk.result is None:
-                        text.append(chunk.text)
-                        continue
-                    whole = _whole(chunk, "".join(text))
-                    return JSONResponse(completion(request_id, model, whole))
-            finally:
-                release()
-                await chunks.aclose()
-            raise ApiError(500, "the call ended without a result", "server_error")
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _sse(request_id, model, _chain(first, chunks), include_usage, release)
         return EventSourceResponse(events, ping=15, send_timeout=30)
@@ -321,8 +337,9 @@ def _call_spec(
             stop=body.stop,
             temperature=body.temperature,
             top_p=body.top_p,
-            max_tokens=body.budget,
+            max_tokens=_budget(body.budget, key, options),
             seed=body.seed,
+            timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
         )
     except ValueError as exc:  # InvalidRequestError and message translation
         raise _as_api_error(exc) from None
@@ -331,6 +348,18 @@ def _call_spec(
         message = f"API key {key.name!r} may not use policy {chosen!r}"
         raise ApiError(403, message, "permission_error", param="policy", code="policy_denied")
     return call
+
+
+def _budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:
+    """The call's ``max_tokens``: what it asked for, refused over the key's or the server's
+    cap (a call that asks for none runs with its policy's default: the operator's own)."""
+    cap = key.max_tokens if key.max_tokens is not None else options.max_tokens
+    if asked is None:
+        return None
+    if asked > cap:
+        message = f"max_tokens {asked} is over this key's limit of {cap}"
+        raise ApiError(422, message, "invalid_request_error", param="max_tokens")
+    return asked
 
 
 def _resolved_policy(backend: Backend, call: CallSpec) -> str:
@@ -357,6 +386,8 @@ def _as_api_error(exc: Exception) -> ApiError:
         )
     if isinstance(exc, RuntimeClosedError):
         return ApiError(503, str(exc), "unavailable")
+    if isinstance(exc, CallTimeoutError):
+        return ApiError(504, str(exc), "timeout_error", code="deadline_exceeded")
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return ApiError(422, str(exc), "invalid_request_error", param=_param_of(str(exc)))
     # The exception's text is the server's business (paths, tensor shapes, other calls'
@@ -393,6 +424,45 @@ async def _chain(
     finally:
         with anyio.CancelScope(shield=True):
             await rest.aclose()
+
+
+async def _collect(chunks: AsyncGenerator[CallChunk, None]) -> CallChunk:
+    """The last chunk of a call, its content the whole output's."""
+    text: list[str] = []
+    async for chunk in chunks:
+        if chunk.result is None:
+            text.append(chunk.text)
+            continue
+        return _whole(chunk, "".join(text))
+    raise ApiError(500, "the call ended without a result", "server_error")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[CallChunk]) -> CallChunk | None:
+    """``work``'s result, or None when the client disconnects first (``work`` is cancelled:
+    a non-streaming call must not run on for nobody; a streaming one stops as its response
+    does). Errors of ``work`` come out as they are."""
+    outcome: list[CallChunk] = []
+    failure: list[BaseException] = []
+
+    async def run(scope: anyio.CancelScope) -> None:
+        try:
+            outcome.append(await work)
+        except Exception as exc:  # re-raised below, outside the task group
+            failure.append(exc)
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, tg.cancel_scope)
+        while not await request.is_disconnected():
+            await anyio.sleep(DISCONNECT_POLL_S)
+        tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return outcome[0] if outcome else None
+
+
+DISCONNECT_POLL_S = 0.25
+"""How often a non-streaming call checks that its client is still there."""
 
 
 def _whole(last: CallChunk, streamed: str) -> CallChunk:

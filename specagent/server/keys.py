@@ -13,7 +13,9 @@ Key file (YAML)::
         sha256: 9f86d081884c7d65...    # of the key itself
         policies: [customer-reply, default]   # may use only these ("*": any)
         requests_per_minute: 120       # optional
-        max_concurrent: 8              # optional
+        max_concurrent: 8              # optional (default: the server's --max-concurrent)
+        max_tokens: 1024               # optional (default: the server's --max-tokens)
+        timeout_s: 60                  # optional (default: the server's --timeout)
 
 ``SPECAGENT_API_KEYS`` (comma-separated ``name=key`` pairs, or bare keys) adds keys that may use
 every policy.
@@ -59,6 +61,10 @@ class ApiKey(BaseModel):
     policies: tuple[str, ...] = ("*",)
     requests_per_minute: int | None = Field(default=None, ge=1)
     max_concurrent: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    """The most new tokens one call may ask for (None: the server's ``--max-tokens``)."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """Each call's deadline in seconds (None: the server's ``--timeout``)."""
 
     @field_validator("policies", mode="before")
     @classmethod

@@ -52,9 +52,10 @@ class Limits:
         self._buckets: dict[str, _Bucket] = {}
         self._in_flight: dict[str, int] = {}
 
-    def acquire(self, key: ApiKey) -> Callable[[], None]:
+    def acquire(self, key: ApiKey, default_concurrent: int | None = None) -> Callable[[], None]:
         """Take one of ``key``'s slots for a call, or raise ``Limited``; the returned function
-        gives the slot back (calling it again does nothing), when the call's response ends."""
+        gives the slot back (calling it again does nothing), when the call's response ends.
+        ``default_concurrent`` bounds the calls in flight of a key that sets no bound."""
         with self._lock:
             if key.requests_per_minute is not None:
                 bucket = self._buckets.get(key.name)
@@ -70,7 +71,8 @@ class Limits:
                     )
                     raise Limited(msg, retry_after=max(1, math.ceil(wait)))
             running = self._in_flight.get(key.name, 0)
-            if key.max_concurrent is not None and running >= key.max_concurrent:
+            bound = key.max_concurrent if key.max_concurrent is not None else default_concurrent
+            if bound is not None and running >= bound:
                 msg = f"API key {key.name!r} already has {running} calls in flight (its limit)"
                 raise Limited(msg, retry_after=1)
             self._in_flight[key.name] = running + 1

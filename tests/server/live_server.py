@@ -27,6 +27,8 @@ KEYS = {
     "full": "full-access-key-0123456789abcdef",
     "customer": "customer-only-key-0123456789abcd",
     "limited": "limited-rate-key-0123456789abcde",
+    "capped": "capped-tokens-key-0123456789abcd",
+    "hasty": "short-deadline-key-0123456789abc",
 }
 KEY_FILE = f"""\
 keys:
@@ -38,6 +40,12 @@ keys:
   - name: limited
     sha256: {hash_key(KEYS["limited"])}
     requests_per_minute: 2
+  - name: capped
+    sha256: {hash_key(KEYS["capped"])}
+    max_tokens: 8
+  - name: hasty
+    sha256: {hash_key(KEYS["hasty"])}
+    timeout_s: 0.5
 """
 
 

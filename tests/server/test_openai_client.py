@@ -238,7 +238,7 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
             "tools",
         ),
-        ({"stop": ["x"] * 17}, None),
+        ({"stop": [f"stop{i}" for i in range(17)]}, None),
         ({"stop": ["y" * 257]}, None),
     ],
 )
@@ -307,9 +307,92 @@ def test_draining_is_503_and_not_ready(live: Live) -> None:
 
 def test_metrics_are_prometheus_text_of_the_runtime_instruments(live: Live) -> None:
     client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
-    text = httpx.get(f"{live.url}/metrics").text
+    text = httpx.get(f"{live.url}/metrics", headers=_bearer("full")).text
     assert "# TYPE gen_ai_client_operation_duration" in text
     assert 'specagent_policy="default"' in text
+
+
+def test_metrics_need_a_key_that_may_use_every_policy(live: Live) -> None:
+    """The metrics name the model and every policy: no key gets 401, a key limited to some
+    policies 403 (``--metrics-public`` opens them for a private scraper)."""
+    assert httpx.get(f"{live.url}/metrics").status_code == 401
+    denied = httpx.get(f"{live.url}/metrics", headers=_bearer("customer"))
+    assert denied.status_code == 403
+    assert "policy" not in denied.text.replace("every policy", "")
+
+
+def _bearer(name: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[name]}"}
+
+
+def test_max_tokens_over_the_key_cap_is_422(live: Live) -> None:
+    """The server caps what a call may ask for (4096 by default); a key may set its own."""
+    body = {"model": "tiny", "messages": MESSAGES}
+    over = httpx.post(
+        f"{live.base_url}/chat/completions",
+        json={**body, "max_tokens": 9},
+        headers=_bearer("capped"),
+    )
+    assert over.status_code == 422
+    assert over.json()["error"]["param"] == "max_tokens"
+    fits = httpx.post(
+        f"{live.base_url}/chat/completions",
+        json={**body, "max_tokens": 8},
+        headers=_bearer("capped"),
+    )
+    assert fits.status_code == 200
+    huge = httpx.post(
+        f"{live.base_url}/chat/completions",
+        json={**body, "max_tokens": 100_000},
+        headers=_bearer("full"),
+    )
+    assert huge.status_code == 422
+
+
+def test_a_call_past_its_deadline_is_504_and_leaves_nothing_running(live: Live) -> None:
+    saved = live.runtime.eos_token_ids
+    live.runtime.eos_token_ids = []  # nothing ends the call but its deadline (the key's 0.5 s)
+    try:
+        started = time.monotonic()
+        response = httpx.post(
+            f"{live.base_url}/chat/completions",
+            json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4000},
+            headers=_bearer("hasty"),
+            timeout=30,
+        )
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "deadline_exceeded"
+        assert time.monotonic() - started < 5
+        _until_nothing_runs(live)
+        assert live.app.state.limits.in_flight("hasty") == 0
+    finally:
+        live.runtime.eos_token_ids = saved
+
+
+def _until_nothing_runs(live: Live) -> None:
+    deadline = time.monotonic() + 10
+    while live.runtime.activity()["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert live.runtime.activity()["running"] == 0
+
+
+def test_a_non_streaming_call_stops_when_its_client_goes_away(live: Live) -> None:
+    """A client that gives up on a non-streaming call (its own timeout) leaves no work
+    behind: the call is cancelled in the runtime and the key's slot given back."""
+    saved = live.runtime.eos_token_ids
+    live.runtime.eos_token_ids = []
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{live.base_url}/chat/completions",
+                json={"model": "tiny", "messages": MESSAGES, "max_tokens": 4000},
+                headers=_bearer("full"),
+                timeout=0.5,
+            )
+        _until_nothing_runs(live)
+        assert live.app.state.limits.in_flight("full") == 0
+    finally:
+        live.runtime.eos_token_ids = saved
 
 
 def test_a_client_that_disconnects_cancels_its_call(live: Live) -> None:
