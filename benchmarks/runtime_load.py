@@ -72,10 +72,13 @@ def ttft_with_and_without_reuse(model: Any, tokenizer: Any, turns: int) -> dict[
         rt = SpecRuntime(
             target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=tokens
         )
-        rt.generate_sync(messages(0), policy="bench", max_new_tokens=2)  # warm-up, fills the cache
+        # One tenant: its calls may reuse each other's KV (calls that name none share nothing).
+        rt.generate_sync(messages(0), policy="bench", max_new_tokens=2, tenant="shop")  # warm-up
         ttfts = []
         for i in range(1, turns + 1):
-            result = rt.generate_sync(messages(i), policy="bench", max_new_tokens=8)
+            result = rt.generate_sync(
+                messages(i), policy="bench", max_new_tokens=8, tenant="shop"
+            )
             ttfts.append(result.stats.ttft_s)
         out[label] = {
             "ttft_s_median": round(statistics.median(ttfts), 4),

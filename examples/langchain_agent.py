@@ -45,7 +45,10 @@ def main() -> None:
         args.target, draft=args.draft, policies=shipped_policies()
     )
     # Greedy per call (the policy samples at 0.3): the same run every time, token for token.
-    model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=80, temperature=0.0)
+    # One shop (tenant): the agent's turns reuse each other's KV and text.
+    model = ChatSpecAgent(
+        runtime=runtime, policy="customer-reply", max_tokens=80, temperature=0.0, tenant="shop"
+    )
 
     agent = create_agent(
         model,

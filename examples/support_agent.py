@@ -73,7 +73,7 @@ def main() -> None:
     shipped = shipped_policies()
     policies = load_policies(args.policies, extends=shipped) if args.policies else shipped
     runtime = SpecRuntime.from_pretrained(args.target, draft=args.draft, policies=policies)
-    model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=160)
+    model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=160, tenant="shop")
     ticket = "Hi, my order A-10234 should have arrived on Monday. Where is it? - Maria"
 
     print("agent steps:")

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -608,7 +609,9 @@ class PrefixCache:
     within a scope (``scoped``: one tenant's calls never start from another tenant's KV).
 
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
-    must never change. Only the worker thread touches it.
+    must never change. Its own worker uses it; an engine shared by several runtimes may ask it
+    to evict from another runtime's worker thread, so a lock guards it (``evict_oldest`` never
+    waits for it: two workers each evicting from the other's cache must not deadlock).
     """
 
     def __init__(self, max_tokens: int = 65536, min_tokens: int = 32) -> None:
@@ -620,6 +623,7 @@ class PrefixCache:
         self._size = 0
         self.hits = 0
         self.reused_tokens = 0
+        self._lock = threading.RLock()
 
     def scoped(self, scope: Hashable) -> PrefixScope:
         """The view of this cache that one scope (a tenant) reads and writes."""
@@ -628,6 +632,10 @@ class PrefixCache:
     def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
         """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
         its length; ``(None, 0)`` when no kept entry shares ``min_tokens`` or more."""
+        with self._lock:
+            return self._lookup(owner, tokens)
+
+    def _lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
         best_key, best_len = self._longest(owner, tokens)
         if best_key is None:
             return None, 0
@@ -644,7 +652,8 @@ class PrefixCache:
     def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` ``lookup`` would find kept: what a drafter weighs before it
         decides to catch up (no copy made, no hit counted)."""
-        return self._longest(owner, tokens)[1]
+        with self._lock:
+            return self._longest(owner, tokens)[1]
 
     def _longest(
         self, owner: Hashable, tokens: Sequence[int]
@@ -668,7 +677,13 @@ class PrefixCache:
         longer uses and that holds exactly them) the cache itself."""
         if len(tokens) < self.min_tokens or len(tokens) > self.max_tokens:
             return
-        key = (owner, tuple(tokens))
+        with self._lock:
+            self._store(owner, tuple(tokens), cache, copy)
+
+    def _store(
+        self, owner: Hashable, tokens: tuple[int, ...], cache: DynamicCache, copy: bool
+    ) -> None:
+        key = (owner, tokens)
         if key in self._entries:
             self._entries.move_to_end(key)
             return
@@ -698,17 +713,23 @@ class PrefixCache:
 
     def evict_oldest(self) -> bool:
         """Drop the least recently used entry (an engine short of sequences or memory asks);
-        False when there is none."""
-        if not self._entries:
+        False when there is none, or when another thread holds this cache right now."""
+        if not self._lock.acquire(blocking=False):
             return False
-        (_, old_tokens), _ = self._entries.popitem(last=False)
-        self._size -= len(old_tokens)
-        return True
+        try:
+            if not self._entries:
+                return False
+            (_, old_tokens), _ = self._entries.popitem(last=False)
+            self._size -= len(old_tokens)
+            return True
+        finally:
+            self._lock.release()
 
     def clear(self) -> None:
         """Forget every entry (counters stay)."""
-        self._entries.clear()
-        self._size = 0
+        with self._lock:
+            self._entries.clear()
+            self._size = 0
 
     @property
     def size(self) -> int:

@@ -197,6 +197,10 @@ class LlamaCppModel:
         self._released: collections.deque[int] = collections.deque()
         self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
         self._evictors: list[weakref.WeakMethod[Callable[[], bool]]] = []
+        self._lock = threading.RLock()
+        """Held around every use of the context (batch, decode, memory): runtimes that share
+        this model step on threads of their own. Never held while an evictor runs, so that
+        evictors (other runtimes' prefix caches, with locks of their own) cannot deadlock."""
         self.decodes = 0
         """``llama_decode`` calls so far (tests count forwards with it)."""
 
@@ -248,35 +252,41 @@ class LlamaCppModel:
         return False
 
     def sequence(self) -> LlamaSequence:
-        """A new, empty sequence (frees a kept prefix through ``on_full`` when none is left)."""
-        self._reap()
-        while not self._free:
+        """A new, empty sequence (frees a kept prefix through an evictor when none is left)."""
+        while True:
+            self._reap()
+            with self._lock:
+                if self._free:
+                    return LlamaSequence(self, self._free.pop())
             if not self._evict():
                 msg = (
                     f"llama.cpp engine: all {self.max_sequences} sequences are in use "
                     "(raise max_sequences or lower the runtime's max_active)"
                 )
                 raise GenerationError(msg)
-        return LlamaSequence(self, self._free.pop())
 
     def _copy(self, source: LlamaSequence) -> LlamaSequence:
         copy = self.sequence()
         if source.length:
-            self._lib.llama_memory_seq_cp(self._memory, source.seq_id, copy.seq_id, 0, -1)
+            with self._lock:
+                self._lib.llama_memory_seq_cp(self._memory, source.seq_id, copy.seq_id, 0, -1)
             copy.length = source.length
         return copy
 
     def _remove(self, seq_id: int, start: int) -> None:
-        if not self._lib.llama_memory_seq_rm(self._memory, seq_id, start, -1):
+        with self._lock:
+            removed = self._lib.llama_memory_seq_rm(self._memory, seq_id, start, -1)
+        if not removed:
             raise GenerationError(f"llama.cpp could not remove positions {start}.. of a sequence")
 
     def _reap(self) -> None:
-        """Free the ids of sequences dropped since the last call (on this, the worker's,
-        thread: llama.cpp's memory is not touched from two threads)."""
-        while self._released:
-            seq_id = self._released.popleft()
-            self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-            self._free.append(seq_id)
+        """Free the ids of sequences dropped since the last call (a sequence's ``__del__``
+        only queues its id: it may run on any thread, inside any llama.cpp call)."""
+        with self._lock:
+            while self._released:
+                seq_id = self._released.popleft()
+                self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+                self._free.append(seq_id)
 
     # ------------------------------------------------------------------ forwards
 
@@ -308,17 +318,26 @@ class LlamaCppModel:
                 rows.append((index, int(token), seq.seq_id, seq.length + j, wanted, j - first_kept))
         for start in range(0, len(rows), self.batch_tokens):
             chunk = rows[start : start + self.batch_tokens]
-            for k, (_, token, seq_id, pos, wanted, _) in enumerate(chunk):
-                batch.token[k] = token
-                batch.pos[k] = pos
-                batch.n_seq_id[k] = 1
-                batch.seq_id[k][0] = seq_id
-                batch.logits[k] = wanted
-            batch.n_tokens = len(chunk)
+            wanted_rows = [(item, row) for item, _, _, _, wanted, row in chunk if wanted]
             while True:
-                status = lib.llama_decode(self._ctx, batch)
-                if status == 0:
-                    break
+                with self._lock:
+                    for k, (_, token, seq_id, pos, wanted, _) in enumerate(chunk):
+                        batch.token[k] = token
+                        batch.pos[k] = pos
+                        batch.n_seq_id[k] = 1
+                        batch.seq_id[k][0] = seq_id
+                        batch.logits[k] = wanted
+                    batch.n_tokens = len(chunk)
+                    status = lib.llama_decode(self._ctx, batch)
+                    if status == 0:
+                        self.decodes += 1
+                        if wanted_rows:
+                            pointer = lib.llama_get_logits(self._ctx)
+                            shape = (len(wanted_rows), vocab)
+                            logits = np.ctypeslib.as_array(pointer, shape=shape)
+                            for n, (item, row) in enumerate(wanted_rows):
+                                outputs[item][row] = logits[n]
+                        break
                 if status == 1 and self._evict():
                     continue  # a kept prefix gave its cells back: try again
                 if status == 1:
@@ -328,13 +347,6 @@ class LlamaCppModel:
                     )
                     raise GenerationError(msg)
                 raise GenerationError(f"llama_decode failed with status {status}")
-            self.decodes += 1
-            wanted_rows = [(item, row) for item, _, _, _, wanted, row in chunk if wanted]
-            if wanted_rows:
-                pointer = lib.llama_get_logits(self._ctx)
-                logits = np.ctypeslib.as_array(pointer, shape=(len(wanted_rows), vocab))
-                for n, (item, row) in enumerate(wanted_rows):
-                    outputs[item][row] = logits[n]
             for item, fed in collections.Counter(r[0] for r in chunk).items():
                 items[item][0].length += fed  # positions fed so far
         return outputs

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 
 import anyio
 import numpy as np
@@ -463,3 +464,45 @@ def test_early_exit_is_refused_on_llama_cpp(gguf_file, tokenizer) -> None:
     model = LlamaCppModel(gguf_file, threads=1)
     with pytest.raises(PolicyError, match="transformers engine"):
         SpecRuntime(model, tokenizer=tokenizer, policies=[early])
+
+
+def test_runtimes_sharing_one_model_step_on_their_own_threads(gguf_file, tokenizer) -> None:
+    """Two runtimes over one llama.cpp model (``with_policies``) each step on a worker thread
+    of its own: their forwards, copies and crops of the one context never overlap (this once
+    crashed the process), and each call's tokens equal the engine's plain greedy ones."""
+    model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=24, threads=1)
+    first = SpecRuntime(
+        model, tokenizer=tokenizer, policies=[LOOKUP, PLAIN], probe_store=PinnedCosts()
+    )
+    second = first.with_policies([LOOKUP, PLAIN])
+    try:
+        runner = first._engine.target_runner  # the engine's own plain greedy, written out
+        prompts = [f"{t} {t} {t}" for t in TEXTS]
+        expected = {t: _plain_greedy(runner, tokenizer.encode(t), 16) for t in prompts}
+        failures: list[BaseException] = []
+
+        def caller(rt: SpecRuntime, n: int) -> None:
+            try:
+                for i in range(n):
+                    text = prompts[i % len(prompts)]
+                    out = rt.generate_sync(
+                        tokenizer.encode(text),
+                        policy="lookup" if i % 2 else "plain",
+                        max_new_tokens=16,
+                        tenant=f"t{i % 2}",
+                    ).token_ids
+                    assert out == expected[text][: len(out)], text
+            except BaseException as exc:  # reported below, on the test's thread
+                failures.append(exc)
+
+        threads = [
+            threading.Thread(target=caller, args=(rt, 6)) for rt in (first, second, first, second)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert not failures, failures
+    finally:
+        second.close()
+        first.close()
