@@ -76,9 +76,7 @@ def ttft_with_and_without_reuse(model: Any, tokenizer: Any, turns: int) -> dict[
         rt.generate_sync(messages(0), policy="bench", max_new_tokens=2, tenant="shop")  # warm-up
         ttfts = []
         for i in range(1, turns + 1):
-            result = rt.generate_sync(
-                messages(i), policy="bench", max_new_tokens=8, tenant="shop"
-            )
+            result = rt.generate_sync(messages(i), policy="bench", max_new_tokens=8, tenant="shop")
             ttfts.append(result.stats.ttft_s)
         out[label] = {
             "ttft_s_median": round(statistics.median(ttfts), 4),
