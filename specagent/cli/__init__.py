@@ -185,7 +185,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         "no_auth": args.no_auth,
     }
     if args.write_config:
-        path = ray_app.write_config(args.write_config, **options)
+        path = ray_app.write_config(args.write_config, host=args.host, port=args.port, **options)
         print(f"wrote {path}; deploy it with: serve deploy {path}")
         return 0
     import ray

@@ -15,6 +15,7 @@ itself is ``specagent.calls``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import secrets
@@ -133,7 +134,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
 
     @app.get("/ready")
     async def ready() -> Response:
-        activity = _activity(backend)
+        activity = await _activity(backend)
         ok = not draining.on and not activity.get("closing", False) and activity["measured"]
         body = {"ready": ok, "draining": draining.on, **activity}
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -273,11 +274,15 @@ def _parse(raw: bytes) -> ChatCompletionRequest:
         raise ApiError(422, text, "invalid_request_error", param) from None
 
 
-def _activity(backend: Backend) -> dict[str, Any]:
+async def _activity(backend: Backend) -> dict[str, Any]:
+    """The backend's activity (a runtime's, or, on Ray, what its replicas report)."""
     activity = getattr(backend, "activity", None)
     if activity is None:  # another engine behind the seam: it answers, so it is ready
         return {"running": 0, "queued": 0, "measured": True, "closing": False}
-    return dict(activity())
+    report = activity()
+    if inspect.isawaitable(report):
+        report = await report
+    return dict(report)
 
 
 def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[str, Any]:

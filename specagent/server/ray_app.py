@@ -18,7 +18,10 @@ history hold its prefix), falling back to the least loaded replica when that one
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +36,8 @@ from ..policy import PolicySet, load_policies, shipped_policies
 from ..results import GenerationResult, StreamChunk
 from .app import ServerOptions, create_app
 from .keys import KeyStore
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "PrefixAffinityRouter",
@@ -101,6 +106,7 @@ class SpecReplica:
         policies: PolicySet,
         threads: int | None,
         runtime_options: dict[str, Any],
+        ingress_token: str,
     ) -> None:
         import torch
 
@@ -108,11 +114,18 @@ class SpecReplica:
 
         if threads:
             torch.set_num_threads(threads)
+        self._token = ingress_token
         self.runtime = SpecRuntime.from_pretrained(
             target, draft=draft, policies=policies, **runtime_options
         ).start()
 
-    async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+    async def stream(
+        self, prompt: Any, *, ingress_token: str = "", **kwargs: Any
+    ) -> AsyncIterator[StreamChunk]:
+        """A call from the ingress, which checked its key, limits and tenant: any other Ray
+        client (without the token the application was built with) is refused."""
+        if not hmac.compare_digest(ingress_token.encode(), self._token.encode()):
+            raise PermissionError("a specagent replica takes calls from its ingress only")
         async for chunk in self.runtime.stream(prompt, **kwargs):
             yield chunk
 
@@ -139,9 +152,11 @@ class RemoteBackend:
         policies: PolicySet,
         handles: Mapping[str, Any],
         groups: Mapping[str, Sequence[str]] | None = None,
+        ingress_token: str = "",
     ) -> None:
         self.model_name = model_name
         self.policies = policies
+        self._token = ingress_token
         self._handles = dict(handles)
         self._group_of = {p: g for g, names in (groups or {}).items() for p in names}
 
@@ -152,7 +167,8 @@ class RemoteBackend:
         # PolicyNotFoundError for an unknown name, as the runtime would raise it
         policy = self.policies.resolve(kwargs.get("policy"), kwargs.get("tags") or ()).name
         handle = self._handles[self.group_of(policy)]
-        response = handle.options(stream=True).stream.remote(prompt, **{**kwargs, "policy": policy})
+        call = {**kwargs, "policy": policy, "ingress_token": self._token}
+        response = handle.options(stream=True).stream.remote(prompt, **call)
         finished = False
         try:
             async for chunk in response:
@@ -171,6 +187,22 @@ class RemoteBackend:
             if chunk.result is not None:
                 return chunk.result
         raise GenerationError("the replica ended the call without a result")
+
+    async def activity(self) -> dict[str, Any]:
+        """What ``/ready`` reports: one replica of every group asked (running and queued
+        summed, measured only when all are); a group that does not answer is not ready."""
+        total: dict[str, Any] = {"running": 0, "queued": 0, "measured": True, "closing": False}
+        for group, handle in self._handles.items():
+            try:
+                one = await handle.activity.remote()
+            except Exception as exc:  # unreachable or dead: not ready, and say which group
+                log.warning("replica group %s did not report its activity: %r", group, exc)
+                return {**total, "measured": False, "unreachable": group}
+            total["running"] += int(one.get("running", 0))
+            total["queued"] += int(one.get("queued", 0))
+            total["measured"] = total["measured"] and bool(one.get("measured", False))
+            total["closing"] = total["closing"] or bool(one.get("closing", False))
+        return total
 
     async def aclose(self, drain: bool = True) -> None:
         """The replicas belong to Ray Serve; nothing to close here."""
@@ -192,9 +224,10 @@ class Ingress:
         key_file: str | None,
         no_auth: bool,
         options: ServerOptions,
+        ingress_token: str,
         **handles: Any,
     ) -> None:
-        self.backend = RemoteBackend(model_name, policies, handles, groups)
+        self.backend = RemoteBackend(model_name, policies, handles, groups, ingress_token)
         self.keys = KeyStore.load(key_file, open=no_auth)
         self.options = options
 
@@ -239,6 +272,9 @@ def build_app(
     router = RequestRouterConfig(
         request_router_class="specagent.server.ray_app:PrefixAffinityRouter"  # type: ignore[arg-type]
     )
+    # A secret of this application only: replicas take calls from the ingress alone, so that
+    # no other Ray client can skip the keys, limits and tenants the ingress enforces.
+    token = secrets.token_hex(32)
     handles = {}
     for group, count in [(DEFAULT_GROUP, replicas), *((g, group_replicas) for g in groups)]:
         deployment = cast(Any, SpecReplica).options(
@@ -250,10 +286,15 @@ def build_app(
             request_router_config=router,
         )
         handles[group] = deployment.bind(
-            target, draft, policy_set, threads, {"model_name": name, **(runtime_options or {})}
+            target,
+            draft,
+            policy_set,
+            threads,
+            {"model_name": name, **(runtime_options or {})},
+            token,
         )
     return cast(Any, Ingress).bind(
-        name, policy_set, groups, key_file, no_auth, options or ServerOptions(), **handles
+        name, policy_set, groups, key_file, no_auth, options or ServerOptions(), token, **handles
     )
 
 
@@ -276,11 +317,15 @@ def app_builder(args: dict[str, Any]) -> Any:
     return build_app(target, **args)
 
 
-def write_config(path: str | Path, **args: Any) -> Path:
-    """A Ray Serve config file (``serve deploy path``) for ``app_builder`` with ``args``."""
+def write_config(
+    path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, **args: Any
+) -> Path:
+    """A Ray Serve config file (``serve deploy path``) for ``app_builder`` with ``args``,
+    listening on ``host`` (the loopback unless told otherwise: ``0.0.0.0`` exposes the
+    server on every interface)."""
     config = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": 8000},
+        "http_options": {"host": host, "port": port},
         "applications": [
             {
                 "name": "specagent",

@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
+import httpx
 import openai
 import pytest
 from conftest import make_model, make_tokenizer
@@ -117,6 +119,23 @@ def test_replicas_answer_as_one_runtime_would(cluster: dict) -> None:
     assert pinned.model_extra["speculative_decoding_stats"]["policy"] == "legal-drafting"
 
 
+def test_replicas_take_calls_from_the_ingress_only(cluster: dict) -> None:
+    """Any Ray client can get a replica's handle: without the application's token it cannot
+    run a call (which would skip keys, limits and tenants)."""
+    handle = serve.get_deployment_handle("spec-default", app_name="specagent")
+
+    async def direct(**extra):
+        response = handle.options(stream=True).stream.remote(PROMPTS[0], max_new_tokens=2, **extra)
+        return [chunk async for chunk in response]
+
+    for extra in ({}, {"ingress_token": "guessed"}):
+        with pytest.raises(PermissionError, match="ingress only"):
+            anyio.run(lambda extra=extra: direct(**extra))
+    ready = httpx.get(cluster["url"].removesuffix("/v1") + "/ready", timeout=60)
+    assert ready.json()["running"] == 0  # the replicas' own report, not a constant
+    assert "measured" in ready.json()
+
+
 def test_a_killed_replica_does_not_hang_anything(cluster: dict) -> None:
     client = api(cluster)
 
@@ -160,6 +179,7 @@ def test_a_serve_config_for_a_cluster(tmp_path: Path) -> None:
     import yaml
 
     config = yaml.safe_load(path.read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"  # exposed only when told to
     application = config["applications"][0]
     assert application["import_path"] == "specagent.server.ray_app:app_builder"
     assert application["args"]["groups"] == {"sensitive": ["legal-drafting", "medical-summary"]}
