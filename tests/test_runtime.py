@@ -543,3 +543,78 @@ def test_workers_still_busy_are_stopped_at_interpreter_exit() -> None:
     _stop_at_exit()
     assert not worker.thread.is_alive()
     assert worker.background is None  # closed, to be measured again by a later worker
+
+
+@pytest.mark.anyio
+async def test_admission_never_pauses_the_event_loop(runtime) -> None:
+    """A call whose admission is slow (a huge prompt to tokenize, a grammar to compile: here
+    a planted 0.6 s, by wrapping the runtime's admission, which no public hook slows) runs
+    it off the event loop: a heartbeat on the loop keeps its pace, and the call answers."""
+    import time
+
+    real = runtime._admission
+
+    class Slow:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def request(self, *args, **kwargs):
+            time.sleep(0.6)
+            return real.request(*args, **kwargs)
+
+    runtime._admission = Slow()
+    gaps: list[float] = []
+    try:
+
+        async def heartbeat() -> None:
+            last = time.perf_counter()
+            for _ in range(12):
+                await anyio.sleep(0.05)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            result = await runtime.generate("Slow to admit", policy="exact", max_new_tokens=2)
+        assert result.token_ids
+        assert max(gaps) < 0.4, gaps
+    finally:
+        runtime._admission = real
+
+
+def test_calls_cancelled_in_the_queue_free_their_place() -> None:
+    """``max_queue`` bounds calls that wait: one given up while it waited (its caller
+    cancelled) no longer counts, so a new call is taken instead of a 429."""
+    from specagent.runtime._worker import Job, Worker
+
+    class Sink:  # what the worker delivers to a caller, dropped: no caller is listening
+        def put(self, item) -> None:
+            pass
+
+    gate = threading.Event()
+
+    def blocked(request):  # the running call holds the only slot until the gate opens
+        def steps():
+            gate.wait(30)
+            return
+            yield
+
+        return steps()
+
+    worker = Worker(blocked, max_active=1, max_queue=1, batching=False, background=None)
+    try:
+        running = Job(object(), Sink())
+        worker.submit(running)
+        deadline = time.monotonic() + 10
+        while worker.inbox and time.monotonic() < deadline:
+            time.sleep(0.01)  # the first call leaves the queue for the slot
+        waiting = Job(object(), Sink())
+        worker.submit(waiting)
+        with pytest.raises(RuntimeOverloadedError):
+            worker.submit(Job(object(), Sink()))
+        waiting.cancelled.set()
+        worker.submit(Job(object(), Sink()))  # takes the cancelled call's place
+    finally:
+        gate.set()
+        worker.stop(drain=False)

@@ -264,7 +264,7 @@ def _bench(args: argparse.Namespace) -> int:
             target_name=Path(target).name,
             draft_name=Path(draft).name if draft else None,
         )
-        json_path, png_path = save_agent_bench(outcome, args.out, f"{stem}_agent")
+        json_path, png_path = save_agent_bench(outcome, args.out, args.name or f"{stem}_agent")
         print(json.dumps(outcome.summary, indent=1))
         print(f"wrote {json_path} and {png_path}")
         runtime.close()

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,6 +123,7 @@ class SpecRuntime:
         check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
         if is_engine_model(self.target):
             _refuse_early_exit(self.policies, self.draft is not None, self.engine)
+        self._admission_lock = threading.Lock()
         self._admission = Admission(
             self.policies,
             tokenizer,
@@ -432,7 +434,11 @@ class SpecRuntime:
     ) -> AsyncGenerator[StreamChunk, None]:
         """``stream``'s work; ``streaming`` says whether the caller receives chunks as they
         come (the conventions report time to first chunk only then) or the whole result."""
-        request = self._admission.request(
+        # An absolute deadline, admission included, checked around each wait: a cancel scope
+        # held across the ``yield``s below would fire inside the caller's own code.
+        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
+        admit = functools.partial(
+            self._admission.request,
             prompt,
             policy,
             tags,
@@ -446,13 +452,13 @@ class SpecRuntime:
             constraint,
             tenant,
         )
+        # Off the event loop: rendering a template, tokenizing a long prompt or compiling a
+        # grammar must not pause every other call's stream on this loop.
+        request = await anyio.to_thread.run_sync(self._admit, admit)
         call = self._start_span(request, parent_context, streaming)
         sink = AsyncSink()
         job = Job(request, sink)
         finished = False
-        # An absolute deadline, checked around each wait: a cancel scope held across the
-        # ``yield``s would fire inside the caller's own code between chunks.
-        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
         try:
             self._ensure_worker().submit(job)
             drafter = self.drafter_kind(request.policy)
@@ -528,6 +534,11 @@ class SpecRuntime:
             parent=parent,
             streaming=streaming,
         )
+
+    def _admit(self, admit: Callable[[], Request]) -> Request:
+        """One admission at a time, on a worker thread (the tokenizer is shared)."""
+        with self._admission_lock:
+            return admit()
 
     def _decode_text(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:

@@ -155,6 +155,9 @@ class Worker:
         with self.cond:
             if self.stopping:
                 raise RuntimeClosedError("the runtime is shutting down; the call was not started")
+            # Calls cancelled while they waited hold no place in the queue.
+            if any(j.cancelled.is_set() for j in self.inbox):
+                self.inbox = collections.deque(j for j in self.inbox if not j.cancelled.is_set())
             # Calls in the inbox that a free decoding slot will take next are not waiting.
             free_slots = max(0, self.max_active - len(self.active) - len(self.waiting))
             if len(self.inbox) >= self.max_queue + free_slots:

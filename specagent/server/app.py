@@ -348,7 +348,7 @@ def _call_spec(
         )
     except ValueError as exc:  # InvalidRequestError and message translation
         raise _as_api_error(exc) from None
-    chosen = _resolved_policy(backend, call)
+    chosen = _resolved_policy(backend, call, key)
     if not key.may_use(chosen):
         message = f"API key {key.name!r} may not use policy {chosen!r}"
         raise ApiError(403, message, "permission_error", param="policy", code="policy_denied")
@@ -367,12 +367,19 @@ def _budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | Non
     return asked
 
 
-def _resolved_policy(backend: Backend, call: CallSpec) -> str:
-    """The policy the backend will run the call under (unknown names: 404)."""
+def _resolved_policy(backend: Backend, call: CallSpec, key: ApiKey) -> str:
+    """The policy the backend will run the call under (unknown names: 404, listing only the
+    policies the key may use: a restricted key learns nothing of the others)."""
     try:
         return backend.policies.resolve(call.policy, call.tags).name
     except PolicyNotFoundError as exc:
-        raise _as_api_error(exc) from None
+        if "*" in key.policies:
+            raise _as_api_error(exc) from None
+        allowed = [p.name for p in backend.policies if key.may_use(p.name)]
+        message = f"unknown policy {call.policy!r}; this key may use: {allowed}"
+        raise ApiError(
+            404, message, "not_found_error", param="policy", code="policy_not_found"
+        ) from None
 
 
 def _as_api_error(exc: Exception) -> ApiError:

@@ -214,6 +214,12 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
     with pytest.raises(openai.NotFoundError) as unknown:
         api.chat.completions.create(model="tiny:no-such-policy", messages=MESSAGES, max_tokens=2)
     assert "customer-reply" in unknown.value.message  # the known policies are listed
+    with pytest.raises(openai.NotFoundError) as restricted:
+        client(live, "customer").chat.completions.create(
+            model="tiny:no-such-policy", messages=MESSAGES, max_tokens=2
+        )
+    assert "customer-reply" in restricted.value.message  # the key's own policies only
+    assert "internal-summary" not in restricted.value.message
     with pytest.raises(openai.NotFoundError) as model:
         api.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
     assert model.value.body["param"] == "model"
