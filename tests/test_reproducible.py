@@ -53,7 +53,7 @@ async def with_others(rt: SpecRuntime) -> list[int]:
     results: dict[int, list[int]] = {}
 
     async def one(i: int, messages: list[dict[str, str]]) -> None:
-        out = await rt.generate(messages, policy="clause")
+        out = await rt.generate(messages, policy="clause", tenant="t")
         results[i] = out.token_ids
 
     async with anyio.create_task_group() as tg:

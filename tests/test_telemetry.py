@@ -197,9 +197,9 @@ def test_failed_call_span_has_error_type(runtime, otel) -> None:
         runtime.generate_sync("Slow", policy="exact", max_new_tokens=400, timeout=0.01)
     (span,) = exporter.get_finished_spans()
     assert span.status.status_code == StatusCode.ERROR
-    assert span.attributes["error.type"] == "TimeoutError"
+    assert span.attributes["error.type"] == "CallTimeoutError"
     durations = metrics_by_name(reader)["gen_ai.client.operation.duration"]
-    assert durations[0].attributes["error.type"] == "TimeoutError"
+    assert durations[0].attributes["error.type"] == "CallTimeoutError"
 
 
 def test_bad_input_fails_before_any_span(runtime, otel) -> None:

@@ -13,10 +13,10 @@ import copy
 import functools
 import inspect
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -607,6 +607,8 @@ class PrefixCache:
     for its new message only. An entry that is a prefix of a newer one (same owner) is dropped.
     Entries are per owner: a model runner (target, draft, early-exit view: their KV differ)
     within a scope (``scoped``: one tenant's calls never start from another tenant's KV).
+    Over budget, the scope holding the most tokens loses its least recently used entry: one
+    tenant alone may fill the cache, but its calls never flush a smaller tenant's prefixes.
 
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
     must never change. Its own worker uses it; an engine shared by several runtimes may ask it
@@ -621,6 +623,7 @@ class PrefixCache:
         self.min_tokens = min_tokens
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], DynamicCache] = OrderedDict()
         self._size = 0
+        self._scope_sizes: Counter[Hashable] = Counter()
         self.hits = 0
         self.reused_tokens = 0
         self._lock = threading.RLock()
@@ -693,8 +696,7 @@ class PrefixCache:
             if old[0] == owner and len(old[1]) < len(key[1]) and key[1][: len(old[1])] == old[1]
         ]
         for old in covered:  # the new entry holds all of them
-            del self._entries[old]
-            self._size -= len(old[1])
+            self._drop(old)
         # A static cache is kept as an ordinary one cut to its length (a copy even when
         # ``copy`` is False: its slots would hold memory for positions it never fills).
         if copy or is_static(cache):
@@ -707,20 +709,32 @@ class PrefixCache:
             kept = cache
         self._entries[key] = kept
         self._size += len(tokens)
+        self._scope_sizes[_scope_of(owner)] += len(tokens)
         while self._size > self.max_tokens:
-            (_, old_tokens), _ = self._entries.popitem(last=False)
-            self._size -= len(old_tokens)
+            self._evict_from_largest()
+
+    def _evict_from_largest(self) -> None:
+        """Drop the least recently used entry of the scope that holds the most tokens."""
+        largest = max(self._scope_sizes, key=self._scope_sizes.__getitem__)
+        self._drop(next(k for k in self._entries if _scope_of(k[0]) == largest))
+
+    def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
+        del self._entries[key]
+        self._size -= len(key[1])
+        scope = _scope_of(key[0])
+        self._scope_sizes[scope] -= len(key[1])
+        if self._scope_sizes[scope] <= 0:
+            del self._scope_sizes[scope]
 
     def evict_oldest(self) -> bool:
-        """Drop the least recently used entry (an engine short of sequences or memory asks);
-        False when there is none, or when another thread holds this cache right now."""
+        """Drop the largest scope's least recently used entry (an engine short of sequences or
+        memory asks); False when there is none, or when another thread holds this cache now."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
             if not self._entries:
                 return False
-            (_, old_tokens), _ = self._entries.popitem(last=False)
-            self._size -= len(old_tokens)
+            self._evict_from_largest()
             return True
         finally:
             self._lock.release()
@@ -730,6 +744,7 @@ class PrefixCache:
         with self._lock:
             self._entries.clear()
             self._size = 0
+            self._scope_sizes.clear()
 
     @property
     def size(self) -> int:
@@ -744,6 +759,18 @@ def _copied(cache: DynamicCache) -> DynamicCache:
     return as_dynamic(cache)
 
 
+class Scoped(NamedTuple):
+    """An owner within a scope: what ``PrefixScope`` files its entries under."""
+
+    scope: Hashable
+    owner: Hashable
+
+
+def _scope_of(owner: Hashable) -> Hashable:
+    """The scope whose budget an entry draws on (unscoped owners share one)."""
+    return owner.scope if isinstance(owner, Scoped) else None
+
+
 class PrefixScope:
     """One scope's view of a ``PrefixCache``: lookups see only entries stored through the same
     scope. The runtime gives each call its tenant's scope."""
@@ -753,15 +780,15 @@ class PrefixScope:
         self.scope = scope
 
     def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
-        return self.cache.lookup((self.scope, owner), tokens)
+        return self.cache.lookup(Scoped(self.scope, owner), tokens)
 
     def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
-        return self.cache.matched((self.scope, owner), tokens)
+        return self.cache.matched(Scoped(self.scope, owner), tokens)
 
     def store(
         self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
     ) -> None:
-        self.cache.store((self.scope, owner), tokens, cache, copy=copy)
+        self.cache.store(Scoped(self.scope, owner), tokens, cache, copy=copy)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

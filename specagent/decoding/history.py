@@ -11,9 +11,9 @@ lookup costs what the match and the draft cost, never the size of the history: a
 dict probe and at most ``max_occurrences`` places (the most recent) are kept per n-gram.
 
 ``HistoryStore`` keeps one index per scope key (``drafter.history``: per policy, per tenant or the
-whole runtime, always within one tenant) under a total token budget, the oldest documents evicted
-first. The scope is a security boundary: a call reads only the indexes of its own key, so one
-tenant's text can never be proposed to another tenant's call.
+whole runtime, always within one tenant) under a total token budget; over it, the tenant holding
+the most loses its oldest document first. The scope is a security boundary: a call reads only
+the indexes of its own key, so one tenant's text can never be proposed to another tenant's call.
 """
 
 from __future__ import annotations
@@ -225,11 +225,16 @@ def runner_up(
 
 class HistoryStore:
     """Earlier calls' prompts and outputs, one ``SuffixIndex`` per scope key, within a total
-    token budget (oldest documents evicted first). Thread-safe."""
+    token budget. Over budget, the tenant holding the most tokens loses its oldest document
+    first: one tenant alone may use the whole budget, but its long calls only ever evict its
+    own history until it holds no more than any other tenant, so no tenant can flush another's
+    drafts (or learn from their loss that it did). Thread-safe."""
 
     def __init__(self, max_tokens: int = 32768, max_documents: int = 4096) -> None:
         self.max_tokens = max_tokens
         self.max_documents = max_documents
+        self._tenant_tokens: collections.Counter[Hashable] = collections.Counter()
+        self._tenant_docs: collections.Counter[Hashable] = collections.Counter()
         self._indexes: dict[Hashable, SuffixIndex] = {}
         self._order: collections.OrderedDict[int, Hashable] = collections.OrderedDict()
         self._last: dict[Hashable, list[int]] = {}
@@ -267,15 +272,28 @@ class HistoryStore:
             index.add(doc_id, text)
             self._order[doc_id] = key
             self._tokens += len(text)
-            while self._order and (
-                self._tokens > self.max_tokens or len(self._order) > self.max_documents
-            ):
-                self._evict_oldest()
+            self._tenant_tokens[_tenant_of(key)] += len(text)
+            self._tenant_docs[_tenant_of(key)] += 1
+            while self._tokens > self.max_tokens:
+                self._evict_from_largest(self._tenant_tokens)
+            while len(self._order) > self.max_documents:
+                self._evict_from_largest(self._tenant_docs)
 
-    def _evict_oldest(self) -> None:
-        doc_id, key = self._order.popitem(last=False)
+    def _evict_from_largest(self, held: collections.Counter[Hashable]) -> None:
+        """Evict the oldest document of the tenant that holds the most (tokens or documents)."""
+        largest = max(held, key=held.__getitem__)
+        self._evict(next(d for d, k in self._order.items() if _tenant_of(k) == largest))
+
+    def _evict(self, doc_id: int) -> None:
+        key = self._order.pop(doc_id)
         index = self._indexes[key]
-        self._tokens -= len(index.docs.get(doc_id, ()))
+        size = len(index.docs.get(doc_id, ()))
+        self._tokens -= size
+        tenant = _tenant_of(key)
+        self._tenant_tokens[tenant] -= size
+        self._tenant_docs[tenant] -= 1
+        if self._tenant_docs[tenant] == 0:
+            del self._tenant_tokens[tenant], self._tenant_docs[tenant]
         index.remove(doc_id)
         if not index.docs:
             del self._indexes[key]
@@ -286,13 +304,7 @@ class HistoryStore:
         with self._lock:
             for doc_id, owner in list(self._order.items()):
                 if key is None or owner == key:
-                    self._order.pop(doc_id)
-                    index = self._indexes[owner]
-                    self._tokens -= len(index.docs.get(doc_id, ()))
-                    index.remove(doc_id)
-            for owner in [k for k, i in self._indexes.items() if not i.docs]:
-                del self._indexes[owner]
-                self._last.pop(owner, None)
+                    self._evict(doc_id)
 
     def stats(self) -> dict[str, int]:
         """Memory held: tokens, documents, scope keys and index entries."""
@@ -304,3 +316,11 @@ class HistoryStore:
                 "keys": len(self._indexes),
                 "entries": sum(i.entries for i in self._indexes.values()),
             }
+
+
+def _tenant_of(key: Hashable) -> Hashable:
+    """Whose budget a history key draws on: its tenant (``("tenant", t)``, ``("policy", t,
+    name)``), or the key itself (``("runtime",)``, and keys of other shapes)."""
+    if isinstance(key, tuple) and len(key) >= 2 and key[0] in ("tenant", "policy"):
+        return ("tenant", key[1])
+    return key

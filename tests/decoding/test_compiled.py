@@ -208,14 +208,14 @@ def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(
         async with rt:
 
             async def one(i: int) -> None:
-                out[i] = (await rt.generate(questions[i], max_new_tokens=16)).token_ids
+                out[i] = (await rt.generate(questions[i], max_new_tokens=16, tenant="t")).token_ids
 
             async with anyio.create_task_group() as tg:
                 for i in range(len(questions)):
                     tg.start_soon(one, i)
             prompt = render_prompt(questions[0], tokenizer, vocab_size=rt.vocab_size)
             follow_up = [*prompt, *out[0], *tokenizer.encode("<|user|>And B-2?<|assistant|>")]
-            second = await rt.generate(follow_up, max_new_tokens=16)
+            second = await rt.generate(follow_up, max_new_tokens=16, tenant="t")
             out[len(questions)] = second.token_ids
             assert second.usage.cached_input_tokens > len(prompt)  # the kept turn was reused
         return [out[i] for i in range(len(questions) + 1)]

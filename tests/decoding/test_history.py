@@ -104,6 +104,42 @@ def test_store_evicts_the_oldest_within_its_budget_and_reports_memory() -> None:
     assert store.stats()["entries"] == 0
 
 
+def test_one_tenants_long_calls_evict_only_its_own_history() -> None:
+    """Over budget, the tenant holding the most loses its oldest text first: a flood of long
+    calls from one tenant leaves a small tenant's history whole (and its drafts with it), while
+    a tenant alone still uses the whole budget."""
+    store = HistoryStore(max_tokens=1000)
+    quiet = [[7, 8, 9, 10 + i, 11, 12, 13] for i in range(5)]
+    for text in quiet:
+        store.record(("tenant", "quiet"), [1, 2, 3], text)
+    for i in range(50):
+        store.record(
+            ("policy", "loud", "summary"), [500 + i] * 3, list(range(i * 100, i * 100 + 97))
+        )
+    assert store.stats()["tokens"] <= 1000
+    (index,) = store.indexes(("tenant", "quiet"))
+    assert sorted(map(tuple, index.docs.values())) == sorted((1, 2, 3, *t) for t in quiet)
+    (loud,) = store.indexes(("policy", "loud", "summary"))
+    assert 0 < len(loud.docs) < 50
+    assert continuation([loud], [500 + 49] * 3, 3).tokens == [4900, 4901, 4902]
+    # Alone, a tenant still fills the whole budget.
+    alone = HistoryStore(max_tokens=1000)
+    for i in range(50):
+        alone.record(("tenant", "a"), [500 + i] * 3, list(range(i * 100, i * 100 + 97)))
+    assert 900 < alone.stats()["tokens"] <= 1000
+
+
+def test_a_tenant_flooding_many_small_calls_evicts_its_own_documents() -> None:
+    store = HistoryStore(max_tokens=100_000, max_documents=20)
+    store.record(("tenant", "quiet"), [1, 2, 3], [4, 5, 6])
+    for i in range(100):
+        store.record(("tenant", "loud"), [i, i + 1], [i + 2])
+    assert store.stats()["documents"] == 20
+    assert len(store.indexes(("tenant", "quiet"))[0].docs) == 1
+    store.clear(("tenant", "loud"))
+    assert store.stats() == {**store.stats(), "documents": 1, "tokens": 6, "keys": 1}
+
+
 def test_a_resent_conversation_is_stored_once() -> None:
     store = HistoryStore(max_tokens=10_000)
     system = list(range(200, 400))

@@ -58,6 +58,37 @@ def test_an_entry_a_longer_one_holds_is_dropped(target) -> None:
     assert cache.size == 0
 
 
+def test_one_tenants_prompts_never_flush_another_tenants_prefixes(target) -> None:
+    """Over budget, the scope holding the most loses its least recently used entry: a tenant
+    sending many long prompts keeps cycling its own entries while a small tenant's prefix stays
+    (and is still found); alone, a tenant fills the whole budget."""
+    runner = ModelRunner(target)
+    cache = PrefixCache(max_tokens=200, min_tokens=4)
+    quiet, loud = cache.scoped("quiet"), cache.scoped("loud")
+
+    def kv_of(tokens: list[int]):  # type: ignore[no-untyped-def]
+        kv = runner.new_cache()
+        runner.forward(tokens, kv, keep=1)
+        return kv
+
+    kept = list(range(10, 50))
+    quiet.store(id(runner), kept, kv_of(kept))
+    for start in range(60, 300, 40):  # six 40-token prompts: 240 tokens of the loud tenant's
+        prompt = list(range(start, start + 40))
+        loud.store(id(runner), prompt, kv_of(prompt))
+    assert cache.size <= 200
+    assert quiet.lookup(id(runner), [*kept, 3])[1] == 40
+    assert loud.lookup(id(runner), list(range(260, 300)))[1] == 40  # its newest stays
+    assert loud.lookup(id(runner), list(range(60, 100)))[1] == 0  # its oldest went
+    assert cache.evict_oldest()  # an engine short of room takes from the largest scope too
+    assert quiet.lookup(id(runner), kept)[1] == 40
+    alone = PrefixCache(max_tokens=200, min_tokens=4)
+    for start in range(60, 300, 40):
+        prompt = list(range(start, start + 40))
+        alone.scoped("a").store(id(runner), prompt, kv_of(prompt))
+    assert alone.size == 200
+
+
 def test_reused_kv_equals_recomputed_kv(target) -> None:
     runner = ModelRunner(target)
     prefixes = PrefixCache(min_tokens=8)
