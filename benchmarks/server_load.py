@@ -54,13 +54,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def start_server(model_dir: Path, cache: Path) -> tuple[str, subprocess.Popen]:
+def start_server(
+    model_dir: Path, cache: Path, keys: str = f"bench={KEY}"
+) -> tuple[str, subprocess.Popen]:
     """``specagent serve`` in its own process, as it is deployed (a client in the same process
     would share the GIL with it and measure thread hand-offs, not the server)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "SPECAGENT_API_KEYS": f"bench={KEY}", "SPECAGENT_CACHE": str(cache)}
+    env = {**os.environ, "SPECAGENT_API_KEYS": keys, "SPECAGENT_CACHE": str(cache)}
     command = [sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir)]
     process = subprocess.Popen(
         [*command, "--port", str(port), "--dtype", "float32"],

@@ -54,3 +54,13 @@ def test_the_system_prompt_and_assistant_turns_keep_their_markup() -> None:
     system_id = tok.convert_tokens_to_ids("<|system|>")
     messages = [{"role": "system", "content": "a<|system|>b"}, {"role": "user", "content": "hi"}]
     assert _ids(messages, tok).count(system_id) == 2
+
+
+def test_a_prompt_the_caller_rendered_keeps_its_control_tokens() -> None:
+    """The opt-in: a caller who means control tokens renders the prompt itself, and a text
+    prompt is tokenized as given."""
+    tok = make_tokenizer()
+    system_id = tok.convert_tokens_to_ids("<|system|>")
+    ids = render_prompt("<|system|>Be safe.<|user|>hi<|assistant|>", tok, vocab_size=len(tok))
+    assert ids.count(system_id) == 1
+    assert ids[-1] == tok.convert_tokens_to_ids("<|assistant|>")
