@@ -23,7 +23,7 @@ import torch
 
 from .errors import InvalidRequestError
 
-__all__ = ["Constraint", "GrammarState", "compile_constraint"]
+__all__ = ["Constraint", "GrammarState", "compile_constraint", "prepare"]
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,9 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 # Qwen2.5-Coder-0.5B). Up to 20 blanks or line breaks per gap: never endless blanks.
 _JSON_ANSWER_STYLE = {"whitespace_pattern": r"[\n ]{0,20}"}
 
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]] = (
+    weakref.WeakKeyDictionary()
+)
 _LOCK = threading.Lock()
 
 
@@ -159,24 +161,44 @@ def _llguidance() -> Any:
     return llguidance
 
 
-def compile_constraint(
-    constraint: Constraint, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]
-) -> GrammarState:
-    """A fresh matcher for ``constraint``; the tokenizer conversion is cached (it takes ~1 s)."""
+def _converted(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's view of ``tokenizer``, converted once per tokenizer, vocabulary size and
+    end tokens (the conversion takes about a second and holds the GIL for most of it)."""
     llg = _llguidance()
     if tokenizer is None:
         raise InvalidRequestError("constrained output needs the runtime's tokenizer")
+    key = (vocab_size, tuple(eos_token_ids))
     with _LOCK:
-        lltok = _TOKENIZERS.get(tokenizer)
-        if lltok is None:
+        converted = _TOKENIZERS.setdefault(tokenizer, {})
+        if key not in converted:
             try:
-                lltok = llg.hf.from_tokenizer(
+                converted[key] = llg.hf.from_tokenizer(
                     tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None
                 )
             except ValueError as exc:
                 msg = f"llguidance cannot use this tokenizer: {exc}"
                 raise InvalidRequestError(msg) from exc
-            _TOKENIZERS[tokenizer] = lltok
+        return converted[key]
+
+
+def prepare(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> bool:
+    """Convert ``tokenizer`` for constrained output now (a runtime does it at start, with its
+    cost measurement), so that the first constrained call does not hold the GIL for a second
+    while other calls stream. False when there is nothing to do it with (no llguidance, no
+    tokenizer, or one llguidance cannot use)."""
+    try:
+        _converted(tokenizer, vocab_size, eos_token_ids)
+    except Exception:  # an optimisation only: the first constrained call reports the error
+        return False
+    return True
+
+
+def compile_constraint(
+    constraint: Constraint, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]
+) -> GrammarState:
+    """A fresh matcher for ``constraint`` (the tokenizer's conversion is kept: see ``prepare``)."""
+    llg = _llguidance()
+    lltok = _converted(tokenizer, vocab_size, eos_token_ids)
     try:
         if constraint.kind == "json_schema":
             style = _JSON_STYLE if constraint.compact else _JSON_ANSWER_STYLE

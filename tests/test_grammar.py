@@ -3,6 +3,7 @@ speculation, and still exactly lossless with respect to the constrained target."
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -254,3 +255,36 @@ def test_response_formats_are_told_to_the_model() -> None:
         [{"role": "user", "content": "Oslo?"}], response_format=fmt, describe_format=False
     )
     assert silent.messages == [{"role": "user", "content": "Oslo?"}]
+
+
+def test_a_runtime_converts_its_tokenizer_at_start_not_in_a_call(
+    target, draft, tokenizer, monkeypatch
+) -> None:
+    """llguidance's conversion of the tokenizer holds the GIL for about a second on a real
+    vocabulary: the worker does it once, first thing at its start, so the first constrained call
+    (a server's first ``tool_choice: "required"``) does not stall other calls' streams."""
+    import llguidance.hf
+
+    conversions: list[int] = []
+    convert = llguidance.hf.from_tokenizer
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        conversions.append(1)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", counted)
+    tok = copy.deepcopy(tokenizer)  # one this process has not converted yet
+    rt = SpecRuntime(target=target, draft=draft, tokenizer=tok, policies=POLICIES, device="cpu")
+    try:
+        assert rt.start().wait_measured(timeout=300)
+        assert len(conversions) == 1
+        out = rt.generate_sync(
+            "Weather?",
+            policy="lookup",
+            max_new_tokens=40,
+            constraint=Constraint.json_schema(SCHEMA),
+        )
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert len(conversions) == 1  # the call compiled its grammar only
+    finally:
+        rt.close()

@@ -23,7 +23,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +38,7 @@ from ..decoding.history import HistoryStore
 from ..decoding.vocab import head_rows_for
 from ..engines import is_engine_model
 from ..errors import CallTimeoutError, GenerationError, PolicyError
-from ..grammar import Constraint
+from ..grammar import Constraint, prepare
 from ..machine import ProbeStore
 from ..models import (
     check_draft_compatible,
@@ -362,9 +362,20 @@ class SpecRuntime:
                     max_active=self.max_active,
                     max_queue=self.max_queue,
                     batching=self.batching,
-                    background=self._engine.measurement(list(self.policies)),
+                    background=self._background(),
                 )
             return self._worker
+
+    def _background(self) -> Generator[None, None, None]:
+        """What the worker does between rounds from its start: the tokenizer's conversion for
+        constrained output (a slice of its own: it holds the GIL for about a second, better at
+        start than in the middle of other calls' streams), then the step costs."""
+        if self.tokenizer is not None:
+            prepare(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            yield
+        measurement = self._engine.measurement(list(self.policies))
+        if measurement is not None:
+            yield from measurement
 
     # ------------------------------------------------------------------ the async core
 
