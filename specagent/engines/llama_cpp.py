@@ -140,6 +140,7 @@ class LlamaCppModel:
         max_sequences: int = 160,
         threads: int | None = None,
         batch_tokens: int = 512,
+        flash_attention: bool = True,
         name: str | None = None,
     ) -> None:
         lib = _library()
@@ -170,6 +171,12 @@ class LlamaCppModel:
         params.n_threads = self.threads
         params.n_threads_batch = self.threads
         params.kv_unified = True  # kept prefixes share cells with the calls that made them
+        self.flash_attention = flash_attention
+        params.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if flash_attention
+            else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         params.no_perf = True
         ctx = lib.llama_init_from_model(model, params)
         if not ctx:
@@ -226,6 +233,7 @@ class LlamaCppModel:
             "layers": self.num_layers,
             "threads": self.threads,
             "batch_tokens": self.batch_tokens,
+            "flash_attention": self.flash_attention,
             "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
         }
 
