@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specagent import Policy, SpecRuntime
 from specagent.bench import PROMPTS, baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
-from specagent.decoding.compiled import STATIC_TOKENS, choose_compiled_step
+from specagent.engines.transformers.compiled import STATIC_TOKENS, choose_compiled_step
 
 POLICY = Policy(
     name="lossless-draft_model",

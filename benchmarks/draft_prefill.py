@@ -8,8 +8,8 @@ On a CPU without native bf16, ``dtype=auto`` runs the draft in bf16 (its single-
 twice as fast as in float32) but a bf16 forward over many tokens costs per row what float32
 costs per forward, so prefilling the prompt into the draft's cache can cost more than the
 target's own prefill. Where the draft's dtype measurement says so, a float32 copy of the draft
-runs those forwards (``decoding.cache.PrefillTwin``). Here, on the first turn of agent episodes
-(long system prompts, every prefill paid: no prefix reuse) and on bench prompts: plain
+runs those forwards (``engines.transformers.PrefillTwin``). Here, on the first turn of agent
+episodes (long system prompts, every prefill paid: no prefix reuse) and on bench prompts: plain
 ``generate``, specagent ``lossless-auto`` with the float32 prefill, and the same without it
 (same runtime, same models), greedy, each output checked against plain greedy. Each specagent
 call runs under a tenant of its own, so no call drafts from another's text.

@@ -36,14 +36,15 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent.decoding.cache import ModelRunner, crop_to
-from specagent.decoding.compiled import choose_compiled_step
 from specagent.decoding.costs import CostModel, expected_tokens, measure_costs
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.engine import crop_to
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
+from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.compiled import choose_compiled_step
 
 # Real configs (config.json of the Qwen2.5 instruct checkpoints), written out: no hub here.
 QWEN_7B = {

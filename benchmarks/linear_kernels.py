@@ -26,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.bench import write_result
 from specagent.catalog import resolve_model
-from specagent.decoding.cache import ModelRunner, crop_to
 from specagent.decoding.costs import forward_timer
-from specagent.decoding.kernels import LinearPlan, PackedWeights, choose_kernels
+from specagent.decoding.engine import crop_to
+from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.kernels import LinearPlan, PackedWeights, choose_kernels
 
 
 def main() -> None:

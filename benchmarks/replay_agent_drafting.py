@@ -47,9 +47,9 @@ from specagent.agent_bench import _run_episode, _spec_method, agent_policies, lo
 from specagent.bench import PROMPTS, dtypes_of
 from specagent.catalog import PAIRS
 from specagent.chat import render_prompt
-from specagent.decoding.cache import PrefixCache
 from specagent.decoding.costs import CostModel
 from specagent.decoding.loop import DecodeCounters, speculative_generate
+from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.registry import DRAFTERS
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.tree import row_depths

@@ -104,7 +104,7 @@ def _plain_path_logits(model: Any, prompt: list[int], generated: list[int], devi
     import torch
     from transformers import DynamicCache
 
-    from .decoding.cache import cache_keyword
+    from .engines.transformers import cache_keyword
 
     kwargs = {cache_keyword(type(model)): DynamicCache(), "use_cache": True}
     logits = model(input_ids=torch.tensor([prompt], device=device), **kwargs).logits

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from .decoding.quantized import has_int8_weights
-
 __all__ = ["ProbeStore", "config_key", "machine_info", "model_key"]
 
 _ISA_FLAGS = (
@@ -125,7 +123,10 @@ def config_key(config: Any, *parts: object) -> str:
 
 def model_key(model: torch.nn.Module, *parts: object) -> str:
     """``config_key`` of a loaded model, with its dtype and device (and whether its linears
-    hold int8 weights: a draft's may, ``decoding.quantized``, at the same parameter dtype)."""
+    hold int8 weights: a draft's may, ``engines.transformers.quantized``, at the same parameter
+    dtype)."""
+    from .engines.transformers.quantized import has_int8_weights  # the engine imports this module
+
     engine_key = getattr(model, "key", None)
     if not isinstance(model, torch.nn.Module) and callable(engine_key):
         return config_key(engine_key(), *parts)  # another engine's model (``engines``)

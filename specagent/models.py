@@ -41,7 +41,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     """A dtype by name. ``"auto"`` here is the choice made without measuring: bfloat16 on
     CUDA, float32 elsewhere; ``SpecRuntime.from_pretrained`` measures instead
-    (``specagent.precision``)."""
+    (``engines.transformers.precision``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_pairs import ENGINES, Pair, small_pair
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -157,6 +158,13 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 SMALL_VOCAB = 12
 """A vocabulary small enough to enumerate every continuation (the distribution tests)."""
+
+
+@pytest.fixture(scope="session", params=ENGINES)
+def engine_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
+    """A small target/draft pair on each engine present (``engine_pairs``): the decoding tests
+    that take it run on every engine."""
+    return small_pair(str(request.param), tmp_path_factory.mktemp(str(request.param)))
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ import torch
 from scipy.stats import chisquare
 
 from specagent import InvalidRequestError, Policy, SpecRuntime
-from specagent.decoding.cache import ModelRunner
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, logits_to_probs, make_generator
 from specagent.decoding.schedule import FixedSchedule
+from specagent.engines.transformers import ModelRunner
 from specagent.grammar import Constraint, compile_constraint
 
 SCHEMA = {

@@ -1,7 +1,7 @@
 """The decoding core's import layers: no module of ``specagent.decoding`` imports another that
 imports it back (at import time or inside a function), and the core never imports an engine, the
-runtime or a front door (``specagent.errors``, the package's leaf of error types, excepted). The
-engines sit above the core's runner seam (``decoding.engine``)."""
+runtime, a front door (``specagent.errors``, the package's leaf of error types, excepted) or
+transformers. The engines sit above the core's runner seam (``decoding.engine``)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,20 @@ def test_the_core_imports_no_engine_runtime_or_front_door(path: Path) -> None:
         if not m.startswith("specagent.decoding") and m not in ("specagent", "specagent.errors")
     }
     assert not outside, f"{path.name} imports {sorted(outside)}"
+
+
+@pytest.mark.parametrize("path", sorted(DECODING.glob("*.py")), ids=lambda p: p.stem)
+def test_the_core_touches_no_transformers_class(path: Path) -> None:
+    """The core talks to engines through the seam only: no transformers cache class, model
+    class or helper (they belong to ``engines.transformers``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {
+        alias.name if isinstance(node, ast.Import) else node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert not {m for m in imported if m.split(".")[0] == "transformers"}, path.name
 
 
 def test_the_walk_finds_imports_at_import_time_and_inside_functions(tmp_path: Path) -> None:

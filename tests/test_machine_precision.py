@@ -13,11 +13,15 @@ from conftest import PinnedCosts, make_model
 
 from specagent import SpecRuntime
 from specagent.decoding import costs as costs_module
-from specagent.decoding.quantized import has_int8_weights, int8_supported
+from specagent.engines.transformers.precision import (
+    DtypeChoice,
+    choose_dtype,
+    speculative_cost_per_token,
+)
+from specagent.engines.transformers.quantized import has_int8_weights, int8_supported
 from specagent.machine import ProbeStore, config_key, fingerprint, machine_info, model_key
 from specagent.policy import Policy
 from specagent.policy.schema import DrafterConfig
-from specagent.precision import DtypeChoice, choose_dtype, speculative_cost_per_token
 
 DRAFTING = [
     Policy(
@@ -97,7 +101,7 @@ def test_dtype_is_measured_once_per_machine_and_shape(tmp_path: Path) -> None:
 
 
 def test_float32_is_kept_unless_bf16_is_clearly_faster(tmp_path: Path, monkeypatch) -> None:
-    import specagent.precision as precision
+    import specagent.engines.transformers.precision as precision
 
     def timed(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
         low = next(model.parameters()).dtype == torch.bfloat16
@@ -123,7 +127,7 @@ def test_a_draft_tied_on_single_tokens_takes_the_dtype_faster_on_long_forwards(
     """As measured on a 2-core Xeon with AMX: one token costs the same in either dtype, 64
     cost half as much in bf16; the draft catches up on long stretches, so bf16 it is. Where
     float32 clearly wins the single token, it stays, with a bf16 copy for long forwards."""
-    import specagent.precision as precision
+    import specagent.engines.transformers.precision as precision
 
     def amx(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
         low = next(model.parameters()).dtype == torch.bfloat16
@@ -157,7 +161,7 @@ def test_int8_weights_are_kept_only_where_clearly_cheaper_per_draft_token(
     bf16 0.174 and float32 0.176, but 0.29 s over 16 tokens against bf16's 0.16, so int8 with
     a bf16 copy for long forwards. On a 2-core AMD EPYC int8 measured level with bf16 (0.095
     vs 0.092 s): bf16 stays. The choice is stored and loaded again with int8 weights."""
-    import specagent.precision as precision
+    import specagent.engines.transformers.precision as precision
 
     def timings(int8: dict[int, float], bf16: dict[int, float], f32: dict[int, float]):
         def timed(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:

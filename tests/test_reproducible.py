@@ -11,7 +11,7 @@ from conftest import MemoryStore, PinnedCosts
 from pydantic import ValidationError
 
 from specagent import Policy, SpecRuntime
-from specagent.decoding.cache import ModelRunner
+from specagent.engines.transformers import ModelRunner
 from specagent.policy import shipped_policies
 
 PROMPT = [{"role": "user", "content": "Draft a clause about late delivery of the goods."}]

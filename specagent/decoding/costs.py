@@ -3,11 +3,11 @@ rule that turns costs and acceptance into a draft length.
 
 Costs are relative to one target forward over a single new token (``CostModel``). They are
 measured, never assumed: the same model pair verifies 4 tokens for the price of 1 on one 2-core
-CPU and for the price of 3 on the next (``../MEASUREMENTS.md``). ``measure_costs`` times whole
-forwards at the lengths a step can take (choosing each length's linear kernels on the way,
-``kernels.choose_kernels``); ``CostBook`` keeps a runtime's curves, loads and stores them per
-machine, and measures what is missing a slice at a time so that a worker can serve calls (with
-``prior_costs``) while it measures.
+CPU and for the price of 3 on the next. ``measure_costs`` has each runner time whole forwards at
+the lengths a step can take (``Runner.tune``: an engine that chooses how it runs its forwards by
+timing them settles that choice on the way, once); ``CostBook`` keeps a runtime's curves, loads
+and stores them per machine with what each engine settled, and measures what is missing a slice
+at a time so that a worker can serve calls (with ``prior_costs``) while it measures.
 
 ``most_per_cost`` is where every length decision ends: the schedule's k, a draft model's planned
 draft length and the length of its lookup guesses all maximise expected tokens per unit of cost.
@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .engine import Runner, crop_to
-from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 
 __all__ = [
     "MEASURED_LENGTHS",
-    "PREFILL_LENGTHS",
     "CostBook",
     "CostModel",
     "expected_tokens",
@@ -37,6 +35,7 @@ __all__ = [
     "measure_steps",
     "most_per_cost",
     "prior_costs",
+    "time_lengths",
 ]
 
 
@@ -138,11 +137,6 @@ def _weight_bytes(model: Any) -> int:
 MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
 """Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
 grid, and always the longest asked for); the ones between are interpolated."""
-PREFILL_LENGTHS = (48, 96, 192)
-"""Longer forwards, timed once each way for the kernel choice only: prompt prefills (and the
-draft's catch-up after plain steps) run through the same linear layers. Past the last one,
-torch's kernels."""
-
 Steps = Generator[None, None, Any]
 
 
@@ -157,14 +151,9 @@ def measure_costs(
 ) -> CostModel:
     """Measure the cost curve once: target forwards over 1..max_tokens new tokens, and draft
     forwards over 1..draft_tokens, relative to a single-token target forward (best of
-    ``repeats`` after a warm-up).
-
-    Each length (and the prefill lengths of ``PREFILL_LENGTHS``) is timed with torch's linear
-    kernels, with the transposed form of ``kernels.choose_kernels`` and, where the weights can be
-    packed here, with ``kernels.PackedWeights``; the fastest is kept, and each runner is left with
-    the kernels its costs were measured under (``Runner.kernels``, ``Runner.packed``).
-    With a draft and ``max_tokens`` 1, only the target's unit is timed, with its kernels as
-    they are.
+    ``repeats`` after a warm-up), each runner timed by its own ``tune`` (which settles the
+    engine's own choices the first time). With a draft and ``max_tokens`` 1, only the target's
+    unit is timed, as it runs.
 
     Timing makes the result machine-dependent by design: the best k on a 2-core CPU is not the
     best k on a GPU. The curve is kept as measured, even where it falls: matrix libraries switch
@@ -194,33 +183,12 @@ def measure_steps(
     """``measure_costs`` one timing at a time (it yields after each), returning the model."""
 
     def curve(runner: Runner, longest: int) -> Generator[None, None, dict[int, float]]:
-        lengths = {n for n in MEASURED_LENGTHS if n < longest} | {1, longest}
-        timer = forward_timer(runner, context_tokens=context_tokens, repeats=repeats)
-        prefill_timer = forward_timer(runner, context_tokens=context_tokens, repeats=1, keep=1)
-
-        def time_forward(n: int, plan: LinearPlan) -> float:
-            return timer(n, plan) if n in lengths else prefill_timer(n, plan)
-
-        if runner.kernels is None:  # the engine picks its own kernels: only time them
-            seconds = {}
-            for n in sorted(lengths):
-                seconds[n] = timer(n, None)
-                yield
-            return seconds
-        prefills = [n for n in PREFILL_LENGTHS if n > longest]
-        if runner.packed is None and runner.device.type == "cpu":
-            runner.packed = PackedWeights.of(runner.model)
-        plan, seconds = yield from kernel_choice_steps(
-            time_forward, sorted(lengths) + prefills, packed=runner.packed is not None
-        )
-        runner.kernels = plan
-        if not plan.packed_rows:
-            runner.packed = None  # its memory back: the packed copy won at no length
-        return {n: t for n, t in seconds.items() if n in lengths}
+        lengths = sorted({n for n in MEASURED_LENGTHS if n < longest} | {1, longest})
+        return runner.tune(lengths, context_tokens=context_tokens, repeats=repeats)
 
     if draft is not None and max_tokens <= 1:
-        # Only the unit is wanted: the target keeps the kernels an earlier measurement chose.
-        verify_seconds = {1: forward_timer(target, repeats=repeats)(1, target.kernels)}
+        # Only the unit is wanted, the target's forwards as they run now.
+        verify_seconds = {1: forward_timer(target, repeats=repeats)(1)}
     else:
         verify_seconds = yield from curve(target, max(max_tokens, 1))
     unit = verify_seconds[1]
@@ -238,38 +206,44 @@ def measure_steps(
 
 def forward_timer(
     runner: Runner, *, context_tokens: int = 32, repeats: int = 2, keep: int | None = None
-) -> Callable[[int, LinearPlan | None], float]:
-    """``time(n, plan)``: seconds of one forward of ``runner`` over n new tokens after
-    ``context_tokens`` cached ones, with the linear kernels of ``plan`` (best of ``repeats``;
-    the first time a length is timed, after one more run that warms kernels and allocator).
-    ``keep``: logits of the last positions only, as a prefill asks (None: all, as a
-    verification)."""
+) -> Callable[[int], float]:
+    """``time(n)``: seconds of one forward of ``runner`` over n new tokens after
+    ``context_tokens`` cached ones, as the runner runs it now (best of ``repeats``; the first
+    time a length is timed, after one more run that warms kernels and allocator). ``keep``:
+    logits of the last positions only, as a prefill asks (None: all, as a verification)."""
     vocab = runner.vocab_size
     context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
     cache = runner.new_cache()
     runner.forward(context, cache, keep=1)
     warmed: set[int] = set()
 
-    def time_forward(n: int, plan: LinearPlan | None) -> float:
+    def time_forward(n: int) -> float:
         tokens = [context[i % context_tokens] for i in range(n)]
-        before = runner.kernels
-        if before is not None and plan is not None:
-            runner.kernels = plan
-        try:
-            best = math.inf
-            runs = repeats if n in warmed else repeats + 1
-            warmed.add(n)
-            for _ in range(runs):
-                start = time.perf_counter()
-                logits = runner.forward(tokens, cache, keep)
-                float(logits[-1, 0])  # synchronise with the device before reading the clock
-                best = min(best, time.perf_counter() - start)
-                crop_to(cache, context_tokens)
-            return best
-        finally:
-            runner.kernels = before
+        best = math.inf
+        runs = repeats if n in warmed else repeats + 1
+        warmed.add(n)
+        for _ in range(runs):
+            start = time.perf_counter()
+            logits = runner.forward(tokens, cache, keep)
+            float(logits[-1, 0])  # synchronise with the device before reading the clock
+            best = min(best, time.perf_counter() - start)
+            crop_to(cache, context_tokens)
+        return best
 
     return time_forward
+
+
+def time_lengths(
+    runner: Runner, lengths: Sequence[int], *, context_tokens: int = 32, repeats: int = 2
+) -> Generator[None, None, dict[int, float]]:
+    """Seconds of ``runner``'s forwards over each of ``lengths`` new tokens as it runs them now,
+    one length per step (what ``Runner.tune`` does on an engine with nothing to choose)."""
+    timer = forward_timer(runner, context_tokens=context_tokens, repeats=repeats)
+    seconds = {}
+    for n in lengths:
+        seconds[n] = timer(n)
+        yield
+    return seconds
 
 
 def interpolate_costs(measured: dict[int, float], max_tokens: int) -> list[float]:
@@ -311,13 +285,14 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 7
+COSTS_VERSION = 8
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
 3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
 4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel.
 5: packed weights are a third form.
 6: each length's form is chosen by the vote of two or three passes (``kernel_choice_steps``).
-7: a runner's plan reroutes its linear modules, not every torch call (``LinearPlan.active``)."""
+7: a runner's plan reroutes its linear modules, not every torch call (``LinearPlan.active``).
+8: each engine keys its own curves and stores what it settled (``Runner.settings``)."""
 
 
 class CostBook:
@@ -325,24 +300,17 @@ class CostBook:
     tokens and each drafting runner's forward curve up to the same length (its lookup guesses
     widen draft forwards); prompt lookup costs nothing.
 
-    A curve comes from ``store`` when this machine measured the same shapes before (``key_of``
-    names a model's shape), else it is measured and stored. Until then, ``model`` answers with
-    ``prior_costs``: ``measurement`` measures whatever is missing one timing at a time, which the
-    runtime's worker runs between the steps of the calls it serves. Measuring also sets each
-    runner's linear kernels. ``key_of(model, *parts)`` names a model's shape for the store
-    (``specagent.machine.model_key``). Thread-safe: one timing at a time."""
+    A curve comes from ``store`` when this machine measured the same runner before (its
+    ``speed_key``) and the runner takes back what it settled then (``Runner.restore``), else it
+    is measured (``Runner.tune``) and stored with the runner's ``settings``. Until then,
+    ``model`` answers with ``prior_costs``: ``measurement`` measures whatever is missing one
+    timing at a time, which the runtime's worker runs between the steps of the calls it
+    serves. Thread-safe: one timing at a time."""
 
-    def __init__(
-        self,
-        target: Runner,
-        longest: int,
-        store: CurveStore | None = None,
-        key_of: Callable[..., str] | None = None,
-    ) -> None:
+    def __init__(self, target: Runner, longest: int, store: CurveStore | None = None) -> None:
         self.target = target
         self.longest = longest
         self.store = store
-        self._key_of = key_of or (lambda model, *parts: f"{type(model).__name__}{parts}")
         self._verify: tuple[float, ...] | None = None
         self._drafts: dict[int, tuple[float, ...]] = {}
         self._lock = threading.RLock()
@@ -387,30 +355,18 @@ class CostBook:
     def _curve(
         self, what: str, runner: Runner, draft: Runner | None
     ) -> Generator[None, None, None]:
-        key = (
-            f"{what}-v{COSTS_VERSION}:{self._key_of(runner.model, self.longest)}:"
-            f"{self._key_of(self.target.model)}"
-        )
+        key = f"{what}-v{COSTS_VERSION}:{runner.speed_key(self.longest)}:{self.target.speed_key()}"
         with self._lock:
             if self._done(what, runner):
                 return
             stored = self.store.get(key) if self.store is not None else None
-            if runner.kernels is None and isinstance(stored, dict) and stored.get("costs"):
+            if (
+                isinstance(stored, dict)
+                and stored.get("costs")
+                and runner.restore(stored.get("settings") or {})
+            ):
                 self._keep(what, runner, tuple(float(c) for c in stored["costs"]))
                 return
-            if isinstance(stored, dict) and len(stored.get("costs", ())) >= 1:
-                plan = LinearPlan(
-                    transposed_rows=frozenset(int(n) for n in stored["transposed_rows"]),
-                    packed_rows=frozenset(int(n) for n in stored.get("packed_rows", ())),
-                )
-                if plan.packed_rows and runner.packed is None:
-                    runner.packed = PackedWeights.of(runner.model)
-                # Costs measured with packed weights that cannot be packed now (memory taken):
-                # they would not hold, so they are measured again.
-                if not plan.packed_rows or runner.packed is not None:
-                    runner.kernels = plan
-                    self._keep(what, runner, tuple(float(c) for c in stored["costs"]))
-                    return
             if draft is None:
                 steps = measure_steps(self.target, None, self.longest)
             else:
@@ -426,18 +382,9 @@ class CostBook:
                     model: CostModel = done.value
                     costs = model.verify if draft is None else model.draft
                     self._keep(what, runner, costs)
-                    if self.store is not None and runner.kernels is None:
-                        self.store.put(key, {"costs": list(costs)})
-                    elif self.store is not None:
-                        kernels = runner.kernels
-                        self.store.put(
-                            key,
-                            {
-                                "costs": list(costs),
-                                "transposed_rows": sorted(kernels.transposed_rows),
-                                "packed_rows": sorted(kernels.packed_rows),
-                            },
-                        )
+                    if self.store is not None:
+                        entry = {"costs": list(costs), "settings": dict(runner.settings)}
+                        self.store.put(key, entry)
                     return
             yield
 

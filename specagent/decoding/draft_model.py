@@ -12,13 +12,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import (
-    ForwardRequest,
-    Prefixes,
-    common_prefix_length,
-    crop_to,
-    reuse_prefix,
-)
 from .costs import CostModel, expected_tokens, most_per_cost
 from .drafters import (
     EMPTY,
@@ -28,7 +21,9 @@ from .drafters import (
     TokenConstraint,
     lookup_continuation,
 )
-from .engine import Runner
+from .engine import ForwardRequest, Runner, crop_to
+from .parts import Prefixes
+from .prefix import common_prefix_length, reuse_prefix
 from .sampling import SamplingParams, logits_to_probs, sample
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .vocab import CallVocabulary

@@ -6,25 +6,29 @@ llama.cpp with its sequences) is the engine's own business, decided when it is l
 
 - ``KVSequence``: one call's KV on one model: how long it is, and cut back to a length.
   ``copy.deepcopy`` gives an independent sequence with the same content (the prefix cache's
-  copy); dropping the last reference frees it.
+  copy; an engine whose live sequences should not be kept as they are adds ``kept_copy()``);
+  dropping the last reference frees it.
 - ``Runner``: forwards over new tokens after a sequence, one call's (``forward``) or several
   calls' in one engine call (``forward_batch``), returning float32 logits of the rows asked for
-  (``keep``), over the target's vocabulary.
+  (``keep``), over the target's vocabulary; and its step costs: ``tune`` times forwards of
+  given lengths (an engine that chooses how to run them by timing settles that choice there,
+  once, and keeps it), ``settings`` says what it settled and ``restore`` takes back what an
+  earlier process settled on this machine, keyed by ``speed_key``.
 
-``decoding.cache.ModelRunner`` is the transformers engine's runner (its caches are transformers
-``Cache`` objects, which already behave as a ``KVSequence``); ``specagent.engines.llama_cpp``
-is the llama.cpp engine's.
+``specagent.engines.transformers.ModelRunner`` is the transformers engine's runner (its caches
+are transformers ``Cache`` objects, which already behave as a ``KVSequence``);
+``specagent.engines.llama_cpp.LlamaCppRunner`` is the llama.cpp engine's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ForwardRequest", "KVSequence", "Runner", "advance", "crop_to"]
+__all__ = ["ForwardRequest", "KVSequence", "Runner", "advance", "align_vocab", "crop_to"]
 
 
 @runtime_checkable
@@ -49,16 +53,40 @@ class Runner(Protocol):
     """Columns of every logits tensor returned (a draft's aligned to the target's)."""
     device: torch.device
     """Where the returned logits live."""
-    head_rows: int | None
-    """A draft's logits cover only its head's first rows (``decoding.vocab``); None: all."""
-    kernels: Any
-    """The linear-kernel plan the cost measurement tunes (None: the engine picks its own)."""
-    packed: Any
-    """Weights packed for the plan's packed kernels (``kernels.PackedWeights``; None: none)."""
+
+    @property
+    def head_rows(self) -> int | None:
+        """A draft's logits cover only its head's first rows and each call's own ids
+        (``decoding.vocab.CallVocabulary``); None: the whole vocabulary."""
+        ...
 
     @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` runs a token tree (a custom attention mask)."""
+        ...
+
+    def speed_key(self, *parts: object) -> str:
+        """A key for this runner's measured speed on this machine: what it depends on (shapes,
+        dtype, the engine's settings fixed at load), not the weights; ``parts`` are added."""
+        ...
+
+    def tune(
+        self, lengths: Sequence[int], *, context_tokens: int = 32, repeats: int = 2
+    ) -> Generator[None, None, dict[int, float]]:
+        """Seconds of one forward over each of ``lengths`` new tokens after ``context_tokens``
+        (logits of every row, as a verification asks), one timing per step of the generator.
+        The first time, an engine that chooses how to run its forwards by timing them settles
+        that choice here; afterwards nothing changes, the forwards are only timed."""
+        ...
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        """What ``tune`` settled (JSON-able; empty where the engine settles nothing)."""
+        ...
+
+    def restore(self, settings: Mapping[str, Any]) -> bool:
+        """Take ``settings`` stored by an earlier process on this machine; False where they
+        cannot hold now (the runner is then tuned)."""
         ...
 
     def new_cache(self) -> Any:
@@ -90,6 +118,16 @@ class Runner(Protocol):
         """``forward`` for several calls in one engine call, all or nothing: on failure every
         sequence is left as it was (the caller may retry each request alone)."""
         ...
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Make a draft's logits cover exactly the target's vocabulary: ids the target lacks are cut,
+    ids only the target has (padding rows) get -inf so the draft never proposes them."""
+    n = logits.shape[-1]
+    if n > vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - n), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
 
 
 def crop_to(cache: KVSequence, length: int) -> None:

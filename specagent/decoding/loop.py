@@ -30,18 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .cache import (
-    ForwardRequest,
-    Prefixes,
-    advance,
-    crop_to,
-    reuse_prefix,
-)
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
-from .engine import Runner
+from .engine import ForwardRequest, KVSequence, Runner, advance, crop_to
+from .parts import Prefixes
+from .prefix import reuse_prefix
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 from .tree import TreeVerdict, keep_path, verify_tree
@@ -314,7 +308,7 @@ def speculative_steps(
 
 
 def _kept(
-    prefixes: Prefixes | None, target: Runner, context: list[int], cache: DynamicCache
+    prefixes: Prefixes | None, target: Runner, context: list[int], cache: KVSequence
 ) -> list[int]:
     """After the forward that fed the rest of the prompt: keep the prompt's KV for later calls
     (a concurrent call with the same prompt, or this one's next turn should it fail); returns
@@ -327,7 +321,7 @@ def _kept(
 def _keep_for_later(
     prefixes: Prefixes,
     target: Runner,
-    cache: DynamicCache,
+    cache: KVSequence,
     context: list[int],
     drafter: Drafter | None,
 ) -> None:

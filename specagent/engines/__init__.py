@@ -1,7 +1,7 @@
 """Engines: what runs a model's forward passes behind the decoding core's ``Runner`` seam.
 
-- ``transformers``: any Hugging Face causal LM as a torch module (``decoding.cache.ModelRunner``,
-  with its CPU tuning and compiled steps, decided at load);
+- ``transformers``: any Hugging Face causal LM as a torch module (``engines.transformers``: its
+  runner, with its CPU tuning and compiled steps, decided at load);
 - ``llama.cpp``: a GGUF file as shipped (``engines.llama_cpp``), the fastest engine on a CPU.
 
 ``choose_engine`` decides which one a source gets: ``auto`` takes llama.cpp for a GGUF model
@@ -89,10 +89,12 @@ def is_engine_model(model: Any) -> bool:
     return not isinstance(model, torch.nn.Module) and callable(getattr(model, "runner", None))
 
 
-def runner_for(model: Any, vocab_size: int | None = None, **options: Any) -> Any:
-    """The decoding core's runner over ``model`` (``decoding.engine.Runner``)."""
+def runner_for(model: Any, vocab_size: int | None = None, **options: Any) -> tuple[Any, Any | None]:
+    """The decoding core's runner over ``model`` (``decoding.engine.Runner``) and, for the
+    transformers engine, its compiled-step decision (``engines.transformers.build_runner``,
+    which takes ``options``; another engine's model makes its own runner and takes none)."""
     if is_engine_model(model):
-        return model.runner(vocab_size)
-    from ..decoding.cache import ModelRunner
+        return model.runner(vocab_size), None
+    from .transformers import build_runner
 
-    return ModelRunner(model, vocab_size=vocab_size, **options)
+    return build_runner(model, vocab_size, **options)

@@ -27,13 +27,15 @@ import ctypes
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..decoding.costs import time_lengths
+from ..decoding.engine import align_vocab
 from ..errors import GenerationError, ModelLoadError
 
 __all__ = ["LlamaCppModel", "LlamaCppRunner", "LlamaSequence", "available", "check_vocabulary"]
@@ -381,11 +383,8 @@ class LlamaCppModel:
 class LlamaCppRunner:
     """The decoding core's runner over a ``LlamaCppModel``: forwards over new tokens after a
     sequence, returning float32 logits (``[n_kept, V]``, V the target's vocabulary). llama.cpp
-    chooses its own kernels: nothing here is tuned after load."""
+    chooses its own kernels: nothing here is tuned after load, ``tune`` only times."""
 
-    kernels = None
-    """No linear-kernel plan to measure (llama.cpp picks its kernels itself)."""
-    packed = None
     head_rows = None
     takes_trees = False
     """Token trees need a custom attention mask, which llama.cpp's batch API does not take."""
@@ -394,6 +393,24 @@ class LlamaCppRunner:
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size
         self.device = torch.device("cpu")
+
+    def speed_key(self, *parts: object) -> str:
+        """The GGUF's description, size and the context's settings (``LlamaCppModel.key``)."""
+        from ..machine import config_key
+
+        return config_key(self.model.key(), *parts)
+
+    def tune(
+        self, lengths: Sequence[int], *, context_tokens: int = 32, repeats: int = 2
+    ) -> Generator[None, None, dict[int, float]]:
+        return time_lengths(self, lengths, context_tokens=context_tokens, repeats=repeats)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, settings: Mapping[str, Any]) -> bool:
+        return True
 
     def new_cache(self) -> LlamaSequence:
         return self.model.sequence()
@@ -432,9 +449,7 @@ class LlamaCppRunner:
     def _finished(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] == self.vocab_size:
             return logits
-        from ..decoding.cache import _align_vocab
-
-        return _align_vocab(logits, self.vocab_size)
+        return align_vocab(logits, self.vocab_size)
 
 
 def check_vocabulary(model: LlamaCppModel, tokenizer: Any) -> None:

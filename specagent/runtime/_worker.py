@@ -3,7 +3,7 @@
 Calls are advanced one decoding step at a time, round-robin, so a long call does not hold short
 ones back: each round, the pending forwards of all active calls (draft steps and verifications)
 run as one batched forward per model (``ModelRunner.forward_batch``); each call then takes its
-logits and runs on to its next forward (``decoding.cache.advance``), emitting events into its
+logits and runs on to its next forward (``decoding.engine.advance``), emitting events into its
 sink on the way. A cancelled call is dropped (with its KV caches) before the next round.
 
 Between rounds the worker runs one timing of the background cost measurement (if any is left),

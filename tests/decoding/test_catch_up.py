@@ -8,11 +8,12 @@ import torch
 from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
-from specagent.decoding.cache import ModelRunner, PrefixCache
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
+from specagent.engines.transformers import ModelRunner
 
 # A draft step costs a fifth of a target step, each further token fed 0.05: a 200-token prompt
 # costs the draft about ten target steps to catch up on.

@@ -8,13 +8,13 @@ import torch
 from conftest import hf_greedy, make_model
 from transformers import LlamaForCausalLM
 
-from specagent.decoding.cache import ModelRunner, early_exit_view
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter, EarlyExitDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
+from specagent.engines.transformers import ModelRunner, early_exit_view
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "abcabcabc", "The quick brown fox"]
 
@@ -266,3 +266,55 @@ def test_lookup_guesses_give_the_drafts_own_proposals_in_fewer_forwards(
         context += a.tokens
     assert plain.draft_forwards == proposed
     assert guessing.draft_forwards < 0.8 * plain.draft_forwards, (guessing.draft_forwards, proposed)
+
+
+# --------------------------------------------------------------------- on every engine
+
+ENGINE_PROMPTS = [[3, 7, 3, 7, 3], [4, 5, 6, 4, 5, 6, 4], [9, 3, 10, 8, 3, 10]]
+
+
+def engine_greedy(runner, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding written out against the engine, one token a forward."""
+    cache, out = runner.new_cache(), []
+    logits = runner.forward(ids, cache, keep=1)
+    for _ in range(n):
+        token = int(logits[-1].argmax())
+        out.append(token)
+        logits = runner.forward([token], cache)
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculation_equals_the_engines_plain_greedy(engine_pair, k) -> None:
+    """Every drafter, at a fixed k and adaptive, on every engine: the tokens of the engine's
+    own greedy decode (rejections rolled back by cropping the engine's sequences)."""
+    schedules = [
+        FixedSchedule(k),
+        AdaptiveSchedule(max_k=k + 2, costs=CostModel(draft_step=0.1, verify=(1.0, 1.05))),
+    ]
+    for ids in ENGINE_PROMPTS:
+        expected = engine_greedy(engine_pair.target, ids, 24)
+        for schedule in schedules:
+            for drafter in (DraftModelDrafter(engine_pair.draft), PromptLookupDrafter()):
+                last = run(engine_pair.target, ids, drafter, k, n=24, schedule=schedule)
+                assert last.output_ids == expected, (drafter.name, schedule)
+
+
+def test_batched_forwards_equal_single_ones_on_every_engine(engine_pair) -> None:
+    """One engine call over several sequences (different lengths, different token counts)
+    gives each the logits and the KV its own forward would."""
+    runner = engine_pair.target
+    caches, alone = [runner.new_cache() for _ in ENGINE_PROMPTS], []
+    for ids, cache in zip(ENGINE_PROMPTS, caches, strict=True):
+        runner.forward(ids, cache, keep=1)
+        twin = runner.new_cache()
+        runner.forward(ids, twin, keep=1)
+        alone.append(twin)
+    feeds = [[5], [7, 8, 9], [11, 3]]
+    batched = runner.forward_batch(list(zip(feeds, caches, strict=True)), [None, 2, 1])
+    for feed, twin, logits, keep in zip(feeds, alone, batched, [None, 2, 1], strict=True):
+        torch.testing.assert_close(logits, runner.forward(feed, twin, keep), atol=1e-4, rtol=1e-4)
+    for cache, twin in zip(caches, alone, strict=True):
+        assert cache.get_seq_length() == twin.get_seq_length()
+        after_cache, after_twin = runner.forward([6], cache), runner.forward([6], twin)
+        torch.testing.assert_close(after_cache, after_twin, atol=1e-4, rtol=1e-4)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from test_lossless_distribution import (
+from distributions import (
     chi_square_pvalues,
     exact_marginals,
     sample_counts,

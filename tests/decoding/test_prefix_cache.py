@@ -7,7 +7,8 @@ import torch
 
 from specagent import Policy, SpecRuntime
 from specagent.chat import render_prompt
-from specagent.decoding.cache import ModelRunner, PrefixCache
+from specagent.decoding.prefix import PrefixCache, reuse_prefix
+from specagent.engines.transformers import ModelRunner
 
 SYSTEM = "You are a support agent. Tools: lookup_order(order_id), shop_policy(topic). " * 3
 
@@ -213,3 +214,24 @@ def test_calls_that_name_no_tenant_share_nothing(target, draft, tokenizer) -> No
     rt.generate_sync(messages, policy="shared", max_new_tokens=8, tenant="acme")
     assert rt.history.stats()["documents"] == 1  # a named tenant's calls are kept for it
     rt.close()
+
+
+def test_a_kept_prefix_continues_as_the_whole_prompt_would_on_every_engine(engine_pair) -> None:
+    """Store a prompt's KV, look up a longer prompt that shares it: the copy holds the shared
+    part, the kept entry is untouched, and the logits after feeding the rest equal those of a
+    forward over the whole prompt."""
+    runner = engine_pair.target
+    cache = PrefixCache(max_tokens=1000, min_tokens=4)
+    prompt = [3, 7, 3, 7, 3, 4, 5, 6, 4, 5]
+    kv = runner.new_cache()
+    runner.forward(prompt, kv, keep=1)
+    cache.scoped("t").store(id(runner), prompt, kv)
+    longer = [*prompt[:8], 9, 10, 11]
+    copied, reused = reuse_prefix(runner, longer, cache.scoped("t"))
+    assert reused == 8
+    assert copied.get_seq_length() == 8
+    assert kv.get_seq_length() == len(prompt)
+    resumed = runner.forward(longer[reused:], copied, keep=1)
+    whole = runner.forward(longer, runner.new_cache(), keep=1)
+    torch.testing.assert_close(resumed, whole, atol=1e-4, rtol=1e-4)
+    assert reuse_prefix(runner, longer, cache.scoped("other"))[1] == 0  # no other scope's KV

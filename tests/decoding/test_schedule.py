@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from specagent.decoding.cache import ModelRunner
 from specagent.decoding.costs import CostModel, interpolate_costs
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.schedule import AdaptiveSchedule
+from specagent.engines.transformers import ModelRunner
 
 # Shaped like a 2-core CPU with MKL: 1-3 rows nearly free, a jump at 4, 16 rows cheaper than 12.
 CPU_LIKE = CostModel(

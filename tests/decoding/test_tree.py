@@ -11,13 +11,11 @@ import dataclasses
 import pytest
 import torch
 from conftest import hf_greedy, make_model
+from distributions import chi_square_pvalues, exact_marginals, sample_counts
 from test_history import HISTORY, _history_drafter
-from test_lossless_distribution import chi_square_pvalues, exact_marginals, sample_counts
 
 from specagent.decoding import tree as tree_module
 from specagent.decoding.acceptance import TopKRule
-from specagent.decoding.cache import ModelRunner
-from specagent.decoding.compiled import is_static, new_static
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import Proposal, TokenConstraint
@@ -27,6 +25,8 @@ from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
 from specagent.decoding.tree import DraftTree, keep_path, tree_mask, verify_tree
+from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.compiled import is_static, new_static
 
 
 def test_drafts_merge_into_a_trie_and_keep_their_order_of_tries() -> None:

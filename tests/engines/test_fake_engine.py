@@ -8,99 +8,17 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
 
 import anyio
 import numpy as np
 import pytest
-import torch
 from conftest import PinnedCosts
+from fake_engine import VOCAB, FakeModel, TokenSequence, table_logits
 from scipy.stats import chisquare
 
 from specagent import SpecRuntime
 from specagent.decoding.sampling import SamplingParams, logits_to_probs
 from specagent.policy import Policy
-
-VOCAB = 12
-EOS = 2
-
-
-class TokenSequence:
-    """A call's 'KV': the tokens fed so far."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-
-    def get_seq_length(self) -> int:
-        return len(self.tokens)
-
-    def crop(self, max_length: int) -> None:
-        keep = len(self.tokens) + max_length if max_length < 0 else max_length
-        del self.tokens[keep:]
-
-
-def table_logits(context: Sequence[int]) -> torch.Tensor:
-    """The fake model: logits from the last two tokens, fixed by a seeded table."""
-    a = context[-2] if len(context) > 1 else 0
-    b = context[-1] if context else 0
-    gen = torch.Generator().manual_seed(1000 + 31 * a + b)
-    logits = torch.randn(VOCAB, generator=gen) * 2.0
-    logits[EOS] = -30.0  # calls end by length: every sample is STEPS long
-    return logits
-
-
-class FakeRunner:
-    kernels = None
-    packed = None
-    head_rows = None
-    takes_trees = False
-
-    def __init__(self, model: FakeModel, vocab_size: int | None = None) -> None:
-        self.model = model
-        self.vocab_size = vocab_size or VOCAB
-        self.device = torch.device("cpu")
-
-    def new_cache(self) -> TokenSequence:
-        return TokenSequence()
-
-    def adopt(self, cache: TokenSequence) -> TokenSequence:
-        return cache
-
-    def forward(self, input_ids, cache, keep=None, tree=None, vocab=None) -> torch.Tensor:
-        return self.forward_batch([(input_ids, cache)], [keep])[0]
-
-    def forward_batch(self, requests, keep=None, vocabs=None) -> list[torch.Tensor]:
-        self.model.batches.append(len(requests))
-        out = []
-        for (tokens, cache), k in zip(requests, keep or [None] * len(requests), strict=True):
-            rows = []
-            for token in tokens:
-                cache.tokens.append(int(token))
-                rows.append(table_logits(cache.tokens))
-            logits = torch.stack(rows)
-            out.append(logits if k is None else logits[len(tokens) - k :])
-        return out
-
-
-class FakeModel:
-    engine = "fake"
-    vocab_size = VOCAB
-    context_window = 512
-    num_layers = 2
-    weight_bytes = 1000
-    name = "fake"
-
-    def __init__(self) -> None:
-        self.batches: list[int] = []
-
-    def runner(self, vocab_size: int | None = None) -> FakeRunner:
-        return FakeRunner(self, vocab_size)
-
-    def eos_token_ids(self) -> list[int]:
-        return [EOS]
-
-    def key(self) -> dict[str, str]:
-        return {"engine": "fake"}
 
 
 def _policy(name: str, drafter: dict, mode: str = "lossless", **extra) -> Policy:

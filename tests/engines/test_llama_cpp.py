@@ -1,27 +1,25 @@
 """The llama.cpp engine on a GGUF written in the test from the seeded tiny Qwen2: its logits
 match transformers' on the same weights, sequences crop and copy as caches do, a batched
 forward equals the forwards one by one and is all or nothing, and speculative decoding through
-it is exact (greedy equality and chi-square tests of sampled outputs against its own logits)."""
+it is exact (greedy equality here; the chi-square tests of sampled outputs against its own
+logits run on every engine in ``tests/decoding/test_lossless_distribution.py``)."""
 
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 
 import anyio
-import numpy as np
 import pytest
 import torch
 from conftest import PinnedCosts
 from tiny_gguf import make_qwen2, write_gguf
 
 from specagent import SpecRuntime
-from specagent.decoding import acceptance
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
-from specagent.decoding.sampling import SamplingParams, logits_to_probs, make_generator
+from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import FixedSchedule
 from specagent.errors import GenerationError, ModelLoadError
 from specagent.policy import Policy
@@ -223,126 +221,6 @@ def test_greedy_speculation_equals_the_engines_plain_greedy(
         for drafter in (PromptLookupDrafter(), DraftModelDrafter(draft)):
             out = _generate(runner, ids, drafter, k, n=30)
             assert out.output_ids == expected, drafter.name
-
-
-# ---------------------------------------------------------------------- distributions
-
-VOCAB_TOKENS = ["<pad>", "<s>", "</s>", "a", "b", "c", "d", "e", "f", "g", "h", "Ċ"]
-PROMPT = [3, 7, 3, 7, 3]
-STEPS = 4
-N = 2000
-
-
-class _SmallTokenizer:
-    """Twelve byte-level tokens: small enough to enumerate every continuation."""
-
-    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
-    chat_template = None
-    all_special_ids = (0, 1, 2)
-    backend_tokenizer = None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {t: i for i, t in enumerate(VOCAB_TOKENS)}
-
-    def __len__(self) -> int:
-        return len(VOCAB_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def small_engine(tmp_path_factory, monkeypatch_module):
-    import tiny_gguf
-
-    monkeypatch_module.setattr(tiny_gguf, "_merges", lambda backend: ["a b"])
-    target = make_qwen2(len(VOCAB_TOKENS), layers=2, hidden=32, seed=21)
-    draft = make_qwen2(len(VOCAB_TOKENS), layers=1, hidden=32, seed=22)
-    folder = tmp_path_factory.mktemp("small")
-    tok = _SmallTokenizer()
-    with torch.no_grad():  # sharper distributions than the default init gives
-        for model in (target, draft):
-            model.lm_head.weight.mul_(4.0)
-    paths = [write_gguf(m, tok, folder / f"{n}.gguf") for m, n in ((target, "t"), (draft, "d"))]
-    return [LlamaCppModel(p, context_tokens=2048, max_sequences=8, threads=1) for p in paths]
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
-def _exact_marginals(runner, params: SamplingParams) -> np.ndarray:
-    """P(token t = v) under plain sampling from the engine's own logits, by enumeration."""
-    vocab = len(VOCAB_TOKENS)
-    prefixes = list(itertools.product(range(vocab), repeat=STEPS - 1))
-    marginals = np.zeros((STEPS, vocab))
-    for prefix in prefixes:
-        logits = runner.forward([*PROMPT, *prefix], runner.new_cache())[len(PROMPT) - 1 :]
-        probs = logits_to_probs(logits.double(), params).double().numpy()
-        path = 1.0
-        for t in range(STEPS):
-            repeat = vocab ** (STEPS - 1 - t)
-            marginals[t] += path * probs[t] / repeat
-            if t < STEPS - 1:
-                path *= probs[t, prefix[t]]
-    return marginals
-
-
-def _counts(runner, drafter, params: SamplingParams, k: int) -> np.ndarray:
-    counts = np.zeros((STEPS, len(VOCAB_TOKENS)))
-    for seed in range(N):
-        out = _generate(runner, PROMPT, drafter(), k, params=params, seed=seed, n=STEPS)
-        for t, token in enumerate(out.output_ids):
-            counts[t, token] += 1
-    return counts
-
-
-def _pvalues(counts: np.ndarray, marginals: np.ndarray) -> list[float]:
-    from scipy.stats import chisquare
-
-    pvalues = []
-    for t in range(STEPS):
-        expected = marginals[t] * counts[t].sum()
-        big = expected >= 5
-        obs = np.append(counts[t][big], counts[t][~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        if exp[-1] == 0:
-            obs, exp = obs[:-1], exp[:-1]
-        pvalues.append(float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue))
-    return pvalues
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("params", "drafter_kind", "k"),
-    [
-        (SamplingParams(temperature=1.0), "draft_model", 4),
-        (SamplingParams(temperature=0.8, top_p=0.9), "prompt_lookup", 3),
-    ],
-)
-def test_sampling_through_llama_cpp_matches_its_own_distribution(
-    small_engine, params, drafter_kind, k
-) -> None:
-    target, draft = (m.runner() for m in small_engine)
-    marginals = _exact_marginals(target, params)
-    assert np.allclose(marginals.sum(axis=1), 1.0)
-
-    def drafter():
-        if drafter_kind == "draft_model":
-            return DraftModelDrafter(draft)
-        return PromptLookupDrafter(max_ngram=2)
-
-    pvalues = _pvalues(_counts(target, drafter, params, k), marginals)
-    assert min(pvalues) > 1e-3, pvalues
-
-
-@pytest.mark.slow
-def test_the_check_detects_a_wrong_residual_on_llama_cpp(small_engine, monkeypatch) -> None:
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, accepted: p)
-    target, draft = (m.runner() for m in small_engine)
-    params = SamplingParams(temperature=1.0)
-    marginals = _exact_marginals(target, params)
-    counts = _counts(target, lambda: DraftModelDrafter(draft), params, 4)
-    assert min(_pvalues(counts, marginals)) < 1e-6
 
 
 # ---------------------------------------------------------------------- the runtime

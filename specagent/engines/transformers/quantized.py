@@ -6,8 +6,8 @@ output channel) they are half of bf16's bytes and a quarter of float32's; the pr
 ``torch._weight_int8pack_mm`` with bf16 activations. On a 2-core Xeon with AMX the Qwen2.5 0.5B
 draft's single-token forward took 0.08 s this way against 0.17 s in bf16 and 0.19 s in float32
 (its 16-token forward 0.28 s against bf16's 0.17 s: the kernel's cost grows with every row, so
-long forwards keep a full-precision copy, ``cache.PrefillTwin``). On a 2-core AMD EPYC the same
-forward measured level with bf16, so nothing is assumed: ``specagent.precision`` times the draft
+long forwards keep a full-precision copy, ``runner.PrefillTwin``). On a 2-core AMD EPYC the same
+forward measured level with bf16, so nothing is assumed: ``precision`` times the draft
 this way beside bf16 and float32 and keeps it only where it is clearly cheaper per draft token.
 
 Only ever a draft: its numbers never touch losslessness (the verifier's distribution is the

@@ -1,9 +1,14 @@
-"""KV-cache bookkeeping for target and draft models.
+"""The transformers engine's runner: forwards of a Hugging Face causal LM over a call's
+transformers cache, single and batched, with the tuning its model was loaded with.
 
-A call keeps one transformers ``DynamicCache`` per model. After a verification step rejects draft
-tokens, the cache is cropped back to the accepted length (``crop_to``), so no step recomputes the
-prefix. The helpers here also hide the one API difference that matters across transformers
-versions: the cache keyword (``cache=`` in new releases, ``past_key_values=`` in older ones).
+A call keeps one transformers cache per model; after a verification rejects draft tokens the
+core crops it back (``decoding.engine.crop_to``), so no step recomputes the prefix. What the
+runner does beyond a plain forward is settled once and then fixed (``tuning``): the linear
+kernels per forward length (``kernels``), a draft's head rows (``head``), a compiled
+single-token step over static caches (``compiled``), a draft's prefill twin in another dtype
+(``precision``). The helpers here also hide the one API difference that matters across
+transformers versions: the cache keyword (``cache=`` in new releases, ``past_key_values=`` in
+older ones).
 """
 
 from __future__ import annotations
@@ -12,39 +17,37 @@ import contextlib
 import copy
 import functools
 import inspect
-import threading
-from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ..errors import GenerationError
-from .compiled import CompiledStep, as_dynamic, ensure_room, fill_static, is_static
-from .engine import ForwardRequest, Runner, advance, crop_to
-from .kernels import LinearPlan, PackedWeights
-from .parts import Prefixes
+from ...decoding.costs import forward_timer, time_lengths
+from ...decoding.engine import align_vocab, crop_to
+from ...decoding.tree import row_depths, tree_mask
+from .compiled import CompiledStep, ensure_room, fill_static, is_static
+from .head import restricted_logits
+from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 from .quantized import Int8Linear
-from .tree import row_depths, tree_mask
-from .vocab import restricted_logits
 
 __all__ = [
-    "ForwardRequest",
+    "ALONE_ROWS",
+    "PREFILL_LENGTHS",
     "ModelRunner",
     "PrefillTwin",
-    "PrefixCache",
-    "PrefixScope",
-    "Prefixes",
-    "advance",
-    "common_prefix_length",
-    "crop_to",
+    "cache_keyword",
+    "decoder_body",
     "early_exit_view",
-    "reuse_prefix",
 ]
 
+
+PREFILL_LENGTHS = (48, 96, 192)
+"""Longer forwards, timed once each way for the kernel choice only: prompt prefills (and the
+draft's catch-up after plain steps) run through the same linear layers. Past the last one,
+torch's kernels."""
 
 ALONE_ROWS = 32
 """A forward over this many tokens (a first step that feeds a prompt) runs alone, not in a
@@ -81,30 +84,36 @@ class ModelRunner:
 
     ``forward`` runs one call's sequence, ``forward_batch`` several at once. ``logits_to_keep``
     avoids computing the vocabulary projection for prompt positions nobody reads.
+
+    How the forwards run is decided by the engine and then fixed: ``head_rows`` and the
+    ``prefill_twin`` when the runner is made, the compiled step by ``build_runner`` before the
+    runner is handed out, the linear kernels by the runner's first ``tune`` (or ``restore`` of
+    an earlier machine's choice). Nothing outside the engine sets any of them, and once
+    settled they do not change: a later ``tune`` only times them.
     """
 
     def __init__(
         self,
         model: PreTrainedModel,
         vocab_size: int | None = None,
+        *,
         kernels: LinearPlan | None = None,
         prefill_twin: PrefillTwin | None = None,
+        head_rows: int | None = None,
+        always: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.prefill_twin = prefill_twin
         """Where long forwards run in another dtype (``PrefillTwin``; None: all in the model's)."""
         self._dtype = next(model.parameters()).dtype
-        self.kernels = kernels or LinearPlan()
-        """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
-        torch's own), for the runner's own forwards only (``LinearPlan.active``)."""
+        self._kernels = kernels or LinearPlan()
+        self._settled = kernels is not None
         twin = [prefill_twin.model] if prefill_twin is not None else []
         self._linears = tuple(
             m for each in [model, *twin] for m in each.modules() if type(m) is nn.Linear
         )
         """The models' linear modules, which the kernel plan reroutes (``_planned``)."""
-        self.packed: PackedWeights | None = None
-        """The model's weights packed for oneDNN, where the plan's ``packed_rows`` read them
-        (``kernels.PackedWeights``; set by the cost measurement, None: not packed)."""
+        self._packed: PackedWeights | None = None
         params = _forward_params(type(model))  # type: ignore[arg-type]
         self._cache_kw = cache_keyword(type(model))
         self._has_logits_to_keep = "logits_to_keep" in params
@@ -113,46 +122,166 @@ class ModelRunner:
         self.vocab_size = vocab_size or own_vocab
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = next(model.parameters()).device
-        self._body = _decoder_body(model)
+        self._body = decoder_body(model)
         body = self._body
         self._base_cache_kw = cache_keyword(type(body)) if body is not None else "past_key_values"
         self._gather_checked: bool | None = None
         """Whether projecting gathered hidden states equals the model's own logits (checked
         once, on the first batch; None until then)."""
-        self.compiled: CompiledStep | None = None
+        self._compiled: CompiledStep | None = None
+        self._head_rows: int | None = None
+        self._head_always = torch.tensor([], dtype=torch.long)
+        if head_rows is not None:
+            self._use_head_rows(head_rows, always)
+
+    @property
+    def kernels(self) -> LinearPlan:
+        """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
+        torch's own), for the runner's own forwards only (``LinearPlan.active``)."""
+        return self._kernels
+
+    @property
+    def packed(self) -> PackedWeights | None:
+        """The model's weights packed for oneDNN, where the plan's ``packed_rows`` read them
+        (``kernels.PackedWeights``; None: not packed)."""
+        return self._packed
+
+    @property
+    def compiled(self) -> CompiledStep | None:
         """The compiled single-token step over static caches, where it measured faster
         (``compiled.choose_compiled_step``); None: eager steps over dynamic caches."""
-        self.head_rows: int | None = None
+        return self._compiled
+
+    @property
+    def head_rows(self) -> int | None:
         """A draft's logits cover only its head's first ``head_rows`` rows, the always-kept ids
         and each request's own ids (``vocab``), projected onto those alone; -inf elsewhere
-        (``use_head_rows``, ``vocab.py``). None: the whole vocabulary."""
-        self._head_always = torch.tensor([], dtype=torch.long)
+        (``head``). None: the whole vocabulary."""
+        return self._head_rows
 
-    def use_head_rows(self, rows: int, always: Sequence[int] = ()) -> bool:
+    @property
+    def settled(self) -> bool:
+        """Whether the linear kernels are chosen (by ``tune`` or ``restore``) and fixed."""
+        return self._settled
+
+    def speed_key(self, *parts: object) -> str:
+        """The model's shape, dtype and device (``machine.model_key``: not its weights), and
+        what this runner fixed at load: a compiled step, a prefill twin, head rows."""
+        from ...machine import model_key
+
+        own: list[object] = []
+        if self.compiled is not None:
+            own.append("compiled")
+        if self.prefill_twin is not None:
+            own.append(f"twin-from-{self.prefill_twin.from_rows}")
+        if self.head_rows is not None:
+            own.append(f"head-rows-{self.head_rows}")
+        return model_key(self.model, *parts, *own)
+
+    def tune(
+        self,
+        lengths: Sequence[int],
+        *,
+        context_tokens: int = 32,
+        repeats: int = 2,
+        prefill_lengths: Sequence[int] | None = None,
+    ) -> Generator[None, None, dict[int, float]]:
+        """Time forwards over each of ``lengths`` rows. The first time, choose each length's
+        linear kernels on the way (torch's, the transposed form, or packed weights where the
+        machine can pack them and has the memory; also at ``prefill_lengths``, by default
+        ``PREFILL_LENGTHS`` past the longest, since prompts run through the same layers:
+        ``kernels.kernel_choice_steps``) and keep that plan; the packed copy is dropped where
+        no length chose it. Once settled, the plan only runs and is timed."""
+        if self._settled:
+            return (
+                yield from time_lengths(
+                    self, lengths, context_tokens=context_tokens, repeats=repeats
+                )
+            )
+        timer = forward_timer(self, context_tokens=context_tokens, repeats=repeats)
+        prefill_timer = forward_timer(self, context_tokens=context_tokens, repeats=1, keep=1)
+        wanted = set(lengths)
+
+        def time_forward(n: int, plan: LinearPlan) -> float:
+            before = self._kernels
+            self._kernels = plan
+            try:
+                return timer(n) if n in wanted else prefill_timer(n)
+            finally:
+                self._kernels = before
+
+        if prefill_lengths is None:
+            prefill_lengths = [n for n in PREFILL_LENGTHS if n > max(wanted)]
+        prefills = [n for n in prefill_lengths if n not in wanted]
+        packed = PackedWeights.of(self.model) if self.device.type == "cpu" else None
+        self._packed = packed
+        plan, seconds = yield from kernel_choice_steps(
+            time_forward, sorted(wanted) + prefills, packed=packed is not None
+        )
+        self._settle(plan, packed)
+        return {n: t for n, t in seconds.items() if n in wanted}
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The settled kernel plan: its transposed and packed row counts."""
+        return {
+            "transposed_rows": sorted(self._kernels.transposed_rows),
+            "packed_rows": sorted(self._kernels.packed_rows),
+        }
+
+    def restore(self, settings: Mapping[str, Any]) -> bool:
+        """Take a plan an earlier process settled (``settings``). Refused where it cannot hold
+        (packed rows, and the weights cannot be packed now: memory taken) and, once this runner
+        has settled, unless it is the same plan."""
+        try:
+            plan = LinearPlan(
+                transposed_rows=frozenset(int(n) for n in settings.get("transposed_rows", ())),
+                packed_rows=frozenset(int(n) for n in settings.get("packed_rows", ())),
+            )
+        except (TypeError, ValueError):
+            return False
+        if self._settled:
+            return plan == self._kernels
+        packed = PackedWeights.of(self.model) if plan.packed_rows else None
+        if plan.packed_rows and packed is None:
+            return False
+        self._settle(plan, packed)
+        return True
+
+    def _settle(self, plan: LinearPlan, packed: PackedWeights | None) -> None:
+        self._kernels = plan
+        self._packed = packed if plan.packed_rows else None  # its memory back where unused
+        self._settled = True
+
+    def _use_compiled(self, step: CompiledStep | None) -> None:
+        """The compiled-step decision (``compiled.choose_compiled_step``), made before the
+        runner is handed out (``tuning.build_runner``)."""
+        self._compiled = step
+
+    def _use_head_rows(self, rows: int, always: Sequence[int]) -> None:
         """Project this runner's logits onto the head's first ``rows`` rows, the ``always``
         ids (end of sequence) and each request's own ids (``vocab``). Only for a draft: a
         target's logits define the output. Kept only where the head is a plain ``nn.Linear``
         or ``Int8Linear`` over the decoder body's last hidden state (checked on a short
-        forward against the model's own logits) and ``rows`` is fewer than it has; returns
-        whether it was kept."""
+        forward against the model's own logits) and ``rows`` is fewer than it has; elsewhere
+        the whole head stays (``head_rows`` None)."""
         head = self.model.get_output_embeddings()
         if self._body is None or not isinstance(head, nn.Linear | Int8Linear):
-            return False
+            return
         vocab = int(head.weight.shape[0])
         if not 0 < rows < vocab:
-            return False
+            return
         ids = torch.arange(1, 9, device=self.device)[None] % vocab
         with torch.inference_mode():
             full = self.model(input_ids=ids, use_cache=False).logits[0].float()
             hidden = self._body(input_ids=ids, use_cache=False).last_hidden_state[0]
             projected = head(hidden).float()
         if not torch.allclose(projected, full, atol=1e-3, rtol=1e-3):
-            return False
-        self.head_rows = rows
+            return
+        self._head_rows = rows
         self._head_always = torch.tensor(
             sorted({int(i) for i in always if rows <= int(i) < vocab}), dtype=torch.long
         )
-        return True
 
     def _restricted(
         self, head: nn.Module, hidden: torch.Tensor, pieces: list[tuple[int, torch.Tensor | None]]
@@ -295,7 +424,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """One forward of ``model`` over ``input_ids`` after ``cache``: the kept logits."""
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        body = self._body if model is self.model else _decoder_body(model)
+        body = self._body if model is self.model else decoder_body(model)
         if self.head_rows is not None and body is not None:
             kw = {self._base_cache_kw: cache, "use_cache": True}
             hidden = body(input_ids=ids, **kw).last_hidden_state[0]
@@ -314,7 +443,7 @@ class ModelRunner:
     def _finished(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits as every caller gets them: the target's vocabulary, float32."""
         if logits.shape[-1] != self.vocab_size:
-            logits = _align_vocab(logits, self.vocab_size)
+            logits = align_vocab(logits, self.vocab_size)
         return logits.float()
 
     def _twin_forward(
@@ -520,7 +649,7 @@ class ModelRunner:
         return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
 
 
-def _decoder_body(model: PreTrainedModel) -> nn.Module | None:
+def decoder_body(model: PreTrainedModel) -> nn.Module | None:
     """The model without its LM head (``model.model`` for Llama-style models), if any."""
     prefix = getattr(model, "base_model_prefix", "model")
     base = getattr(model, prefix, None)
@@ -535,26 +664,6 @@ def _plain_layers(cache: DynamicCache) -> bool:
     return layers is not None and (
         is_static(cache) or all(type(layer).__name__ == "DynamicLayer" for layer in layers)
     )
-
-
-def reuse_prefix(
-    runner: Runner, tokens: Sequence[int], prefixes: Prefixes | None
-) -> tuple[Any, int]:
-    """A cache for ``runner`` holding the longest kept prefix of ``tokens`` (empty when none is
-    kept), and that prefix's length. Nothing is computed: the caller feeds the rest with its
-    first forward (then ``Prefixes.store`` keeps the whole for later calls)."""
-    cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
-    return (runner.new_cache() if cache is None else runner.adopt(cache)), reused
-
-
-def _align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Make a draft's logits cover exactly the target's vocabulary: ids the target lacks are cut,
-    ids only the target has (padding rows) get -inf so the draft never proposes them."""
-    n = logits.shape[-1]
-    if n > vocab_size:
-        return logits[..., :vocab_size]
-    pad = logits.new_full((*logits.shape[:-1], vocab_size - n), float("-inf"))
-    return torch.cat([logits, pad], dim=-1)
 
 
 def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
@@ -592,209 +701,3 @@ def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     setattr(view, prefix, view_base)
     view.config = config
     return view
-
-
-class PrefixCache:
-    """KV of recent prompts and conversations, reused across calls (bounded, least recently used
-    first out).
-
-    Agents resend the same system prompt and tool schemas on every turn, and each turn resends
-    the conversation so far: the previous turn's prompt and the reply the model wrote. A call
-    leaves two entries: its prompt's KV after the prefill, and, when it finishes, the KV of its
-    prompt and output (the cache it decoded with, handed over without a copy). A later call
-    whose prompt shares a long enough prefix with a kept entry starts from a copy of that KV,
-    cropped to the shared length, and prefills only the rest: the next turn of an agent pays
-    for its new message only. An entry that is a prefix of a newer one (same owner) is dropped.
-    Entries are per owner: a model runner (target, draft, early-exit view: their KV differ)
-    within a scope (``scoped``: one tenant's calls never start from another tenant's KV).
-    Over budget, the scope holding the most tokens loses its least recently used entry: one
-    tenant alone may fill the cache, but its calls never flush a smaller tenant's prefixes.
-
-    Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
-    must never change. Its own worker uses it; an engine shared by several runtimes may ask it
-    to evict from another runtime's worker thread, so a lock guards it (``evict_oldest`` never
-    waits for it: two workers each evicting from the other's cache must not deadlock).
-    """
-
-    def __init__(self, max_tokens: int = 65536, min_tokens: int = 32) -> None:
-        if max_tokens < 0 or min_tokens < 1:
-            raise ValueError("PrefixCache needs max_tokens >= 0 and min_tokens >= 1")
-        self.max_tokens = max_tokens
-        self.min_tokens = min_tokens
-        self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], DynamicCache] = OrderedDict()
-        self._size = 0
-        self._scope_sizes: Counter[Hashable] = Counter()
-        self.hits = 0
-        self.reused_tokens = 0
-        self._lock = threading.RLock()
-
-    def scoped(self, scope: Hashable) -> PrefixScope:
-        """The view of this cache that one scope (a tenant) reads and writes."""
-        return PrefixScope(self, scope)
-
-    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
-        """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
-        its length; ``(None, 0)`` when no kept entry shares ``min_tokens`` or more."""
-        with self._lock:
-            return self._lookup(owner, tokens)
-
-    def _lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
-        best_key, best_len = self._longest(owner, tokens)
-        if best_key is None:
-            return None, 0
-        self._entries.move_to_end(best_key)
-        try:
-            cache = copy.deepcopy(self._entries[best_key])
-        except GenerationError:  # an engine with no sequence left for the copy: start cold
-            return None, 0
-        crop_to(cache, best_len)
-        self.hits += 1
-        self.reused_tokens += best_len
-        return cache, best_len
-
-    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` ``lookup`` would find kept: what a drafter weighs before it
-        decides to catch up (no copy made, no hit counted)."""
-        with self._lock:
-            return self._longest(owner, tokens)[1]
-
-    def _longest(
-        self, owner: Hashable, tokens: Sequence[int]
-    ) -> tuple[tuple[Hashable, tuple[int, ...]] | None, int]:
-        best_key, best_len = None, 0
-        for key in self._entries:
-            if key[0] != owner:
-                continue
-            shared = common_prefix_length(key[1], tokens)
-            if shared > best_len:
-                best_key, best_len = key, shared
-        if best_key is None or best_len < self.min_tokens:
-            return None, 0
-        return best_key, best_len
-
-    def store(
-        self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
-    ) -> None:
-        """Keep the KV of ``tokens``, which ``cache`` holds as its first positions: a copy cut to
-        them (made only when the entry is kept), or (``copy=False``, for a cache its call no
-        longer uses and that holds exactly them) the cache itself."""
-        if len(tokens) < self.min_tokens or len(tokens) > self.max_tokens:
-            return
-        with self._lock:
-            self._store(owner, tuple(tokens), cache, copy)
-
-    def _store(
-        self, owner: Hashable, tokens: tuple[int, ...], cache: DynamicCache, copy: bool
-    ) -> None:
-        key = (owner, tokens)
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return
-        covered = [
-            old
-            for old in self._entries
-            if old[0] == owner and len(old[1]) < len(key[1]) and key[1][: len(old[1])] == old[1]
-        ]
-        for old in covered:  # the new entry holds all of them
-            self._drop(old)
-        # A static cache is kept as an ordinary one cut to its length (a copy even when
-        # ``copy`` is False: its slots would hold memory for positions it never fills).
-        if copy or is_static(cache):
-            try:
-                kept = _copied(cache)
-            except GenerationError:  # an engine with no sequence left for a copy: keep none
-                return
-            crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
-        else:
-            kept = cache
-        self._entries[key] = kept
-        self._size += len(tokens)
-        self._scope_sizes[_scope_of(owner)] += len(tokens)
-        while self._size > self.max_tokens:
-            self._evict_from_largest()
-
-    def _evict_from_largest(self) -> None:
-        """Drop the least recently used entry of the scope that holds the most tokens."""
-        largest = max(self._scope_sizes, key=self._scope_sizes.__getitem__)
-        self._drop(next(k for k in self._entries if _scope_of(k[0]) == largest))
-
-    def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
-        del self._entries[key]
-        self._size -= len(key[1])
-        scope = _scope_of(key[0])
-        self._scope_sizes[scope] -= len(key[1])
-        if self._scope_sizes[scope] <= 0:
-            del self._scope_sizes[scope]
-
-    def evict_oldest(self) -> bool:
-        """Drop the largest scope's least recently used entry (an engine short of sequences or
-        memory asks); False when there is none, or when another thread holds this cache now."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            if not self._entries:
-                return False
-            self._evict_from_largest()
-            return True
-        finally:
-            self._lock.release()
-
-    def clear(self) -> None:
-        """Forget every entry (counters stay)."""
-        with self._lock:
-            self._entries.clear()
-            self._size = 0
-            self._scope_sizes.clear()
-
-    @property
-    def size(self) -> int:
-        """Tokens held, over every entry."""
-        return self._size
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-def _copied(cache: DynamicCache) -> DynamicCache:
-    return as_dynamic(cache)
-
-
-class Scoped(NamedTuple):
-    """An owner within a scope: what ``PrefixScope`` files its entries under."""
-
-    scope: Hashable
-    owner: Hashable
-
-
-def _scope_of(owner: Hashable) -> Hashable:
-    """The scope whose budget an entry draws on (unscoped owners share one)."""
-    return owner.scope if isinstance(owner, Scoped) else None
-
-
-class PrefixScope:
-    """One scope's view of a ``PrefixCache``: lookups see only entries stored through the same
-    scope. The runtime gives each call its tenant's scope."""
-
-    def __init__(self, cache: PrefixCache, scope: Hashable) -> None:
-        self.cache = cache
-        self.scope = scope
-
-    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[DynamicCache | None, int]:
-        return self.cache.lookup(Scoped(self.scope, owner), tokens)
-
-    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
-        return self.cache.matched(Scoped(self.scope, owner), tokens)
-
-    def store(
-        self, owner: Hashable, tokens: Sequence[int], cache: DynamicCache, *, copy: bool = True
-    ) -> None:
-        self.cache.store(Scoped(self.scope, owner), tokens, cache, copy=copy)
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

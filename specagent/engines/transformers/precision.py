@@ -7,7 +7,7 @@ float32 at full cost. Which matters more depends on the machine, so ``choose_dty
 model in each candidate dtype, times it, and keeps the faster:
 
 - the **target** is judged by what speculation pays per token: one forward over k + 1 tokens
-  (with the best linear kernels, ``kernels.choose_kernels``) divided by the tokens it is expected
+  (with the best linear kernels, ``ModelRunner.tune``) divided by the tokens it is expected
   to emit at a reference acceptance of 0.8, at the best k of 0, 3 and 7;
 - the **draft** by one single-token forward: it drafts one token per forward, and its dtype never
   touches losslessness (the target's distribution is the reference), so it may run in a lower
@@ -17,10 +17,10 @@ model in each candidate dtype, times it, and keeps the faster:
   half as long over 64 in bf16, so it runs in bf16. Where one dtype wins the single token and
   the other is clearly faster from some length on, the choice says so (``prefill_dtype``,
   ``prefill_from``) and the loader keeps a copy of the draft in that dtype for those forwards
-  (``decoding.cache.PrefillTwin``): without native bf16, a bf16 forward costs per row what a
+  (``runner.PrefillTwin``): without native bf16, a bf16 forward costs per row what a
   float32 one costs per forward (the same draft over 400 tokens: 17.8 s in bf16, 4.0 s in
   float32, while one token takes 0.115 s against 0.261 s). Where the CPU has the kernel, the
-  draft is also timed with int8 weights and bf16 activations (``decoding.quantized``): a
+  draft is also timed with int8 weights and bf16 activations (``quantized``): a
   single-token forward streams every weight from memory, and int8 halves bf16's bytes (on the
   AMX Xeon 0.08 s against 0.17 s). It is kept only where clearly cheaper than both.
 
@@ -43,11 +43,10 @@ from typing import Any, Literal
 
 import torch
 
-from .decoding.cache import ModelRunner
-from .decoding.costs import expected_tokens, forward_timer
-from .decoding.kernels import PackedWeights, choose_kernels
-from .decoding.quantized import int8_supported, quantize_linears
-from .machine import ProbeStore
+from ...decoding.costs import expected_tokens
+from ...machine import ProbeStore
+from .quantized import int8_supported, quantize_linears
+from .runner import ModelRunner
 
 __all__ = ["DtypeChoice", "choose_dtype", "load_as"]
 
@@ -57,7 +56,7 @@ MARGIN = 0.9
 """bf16 is chosen only where it costs less than this share of float32's time."""
 INT8 = "int8"
 """A draft's third candidate where the CPU has the kernel: int8 weights, bf16 activations
-(``decoding.quantized``)."""
+(``quantized``)."""
 REFERENCE_ACCEPTANCE = 0.8
 TARGET_LENGTHS = (1, 4, 8)
 """Forward lengths timed for a target: plain decoding, and verifications of 3 and 7 drafts."""
@@ -80,7 +79,7 @@ class DtypeChoice:
     measured clearly faster on them than ``dtype`` (None: every forward in ``dtype``)."""
     prefill_from: int | None = None
     int8_weights: bool = False
-    """A draft's: its linears hold int8 weights (``decoding.quantized``), with activations in
+    """A draft's: its linears hold int8 weights (``quantized``), with activations in
     ``dtype`` (bf16)."""
 
     @property
@@ -254,8 +253,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _time(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
+    """Each length's forward time with its best linear kernels (a runner of its own, tuned at
+    these lengths only, dropped afterwards with its packed weights)."""
     runner = ModelRunner(model)  # type: ignore[arg-type]
-    if runner.device.type == "cpu":
-        runner.packed = PackedWeights.of(model)  # dropped with the runner
-    _, seconds = choose_kernels(forward_timer(runner), lengths, packed=runner.packed is not None)
-    return {n: round(t, 5) for n, t in seconds.items()}
+    tuning = runner.tune(lengths, prefill_lengths=())
+    while True:
+        try:
+            next(tuning)
+        except StopIteration as done:
+            seconds: dict[int, float] = done.value
+            return {n: round(t, 5) for n, t in seconds.items()}

@@ -16,19 +16,21 @@ from transformers import DynamicCache
 
 from specagent import Policy, SpecRuntime
 from specagent.chat import render_prompt
-from specagent.decoding.cache import ModelRunner, PrefillTwin, PrefixCache, crop_to
-from specagent.decoding.compiled import (
+from specagent.decoding.costs import CostModel
+from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.engine import crop_to
+from specagent.decoding.loop import speculative_generate
+from specagent.decoding.prefix import PrefixCache
+from specagent.decoding.sampling import SamplingParams, make_generator
+from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
+from specagent.engines.transformers import ModelRunner, PrefillTwin, build_runner
+from specagent.engines.transformers.compiled import (
     STATIC_TOKENS,
     as_dynamic,
     choose_compiled_step,
     is_static,
     new_static,
 )
-from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.loop import speculative_generate
-from specagent.decoding.sampling import SamplingParams, make_generator
-from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.machine import model_key
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox"]
@@ -55,9 +57,26 @@ def test_static_cache_forwards_equal_dynamic_ones_through_rollback_and_growth(ta
     assert static.layers[0].max_cache_len == 64  # grown by doubling, contents kept
 
 
+def recorded_compiled(*models) -> MemoryStore:
+    """A store of a machine that measured these models' compiled steps faster earlier."""
+    store = MemoryStore()
+    for model in models:
+        key = ModelRunner(model).speed_key()
+        store.put(f"compiled-step:{key}", {"compiled": True, "reason": "recorded here"})
+    return store
+
+
+def compiled_runner(model) -> ModelRunner:
+    """A runner built as a runtime builds one on such a machine (the decision read from the
+    store, not measured again)."""
+    runner, choice = build_runner(model, compile_steps=None, store=recorded_compiled(model))
+    assert choice is not None
+    assert choice.compiled
+    return runner
+
+
 def test_batched_forwards_over_static_caches_equal_single_ones(target) -> None:
-    runner = ModelRunner(target)
-    runner.compiled = runner.compiler()  # batches run eagerly: nothing is compiled here
+    runner = compiled_runner(target)  # batches run eagerly: nothing is compiled here
     caches = [new_static(target.config, 64), new_static(target.config, 64), runner.new_cache()]
     prompts = [list(range(3, 13)), list(range(20, 41)), list(range(7, 22))]
     for cache, prompt in zip(caches, prompts, strict=True):
@@ -92,10 +111,7 @@ def test_the_prefix_cache_keeps_static_caches_as_ordinary_ones(target) -> None:
 @pytest.fixture(scope="module")
 def compiled_pair(target, draft) -> tuple[ModelRunner, ModelRunner]:
     """Runners whose single-token steps run compiled (inductor), compiled once per module."""
-    pair = ModelRunner(target), ModelRunner(draft)
-    for runner in pair:
-        runner.compiled = runner.compiler()
-    return pair
+    return compiled_runner(target), compiled_runner(draft)
 
 
 def run(target_runner, ids, drafter, schedule, n=40):
@@ -188,18 +204,15 @@ def test_the_runtime_measures_records_and_reuses_the_decision(target, draft, tok
     assert eager._engine.target_runner.compiled is None
 
 
-def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(
-    target, draft, tokenizer, compiled_pair
-) -> None:
+def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(target, draft, tokenizer) -> None:
     """Concurrent calls (batched forwards over static caches) and a conversation's next turn (a
     kept prefix copied back into a static cache) give the eager runtime's tokens."""
-    compiled, eager = (
-        SpecRuntime(target, draft, tokenizer, [conversation_policy()], "cpu", compile_steps=False)
-        for _ in range(2)
-    )
-    # The module's compiled runners, as a runtime with a recorded decision has them.
-    compiled._engine.target_runner, compiled._engine.draft_runner = compiled_pair
-    compiled._engine.use_costs(compiled._engine.costs)
+    policies = [conversation_policy()]
+    eager = SpecRuntime(target, draft, tokenizer, policies, "cpu", compile_steps=False)
+    compiled = SpecRuntime(
+        target, draft, tokenizer, policies, "cpu", probe_store=recorded_compiled(target, draft)
+    )  # type: ignore[arg-type]
+    assert all(choice["compiled"] for choice in compiled.compiled_steps.values())
     system = {"role": "system", "content": "You are a support agent. Tools: lookup_order. " * 3}
     questions = [[system, {"role": "user", "content": f"Where is order {i}?"}] for i in range(5)]
 
@@ -270,7 +283,7 @@ def test_a_prefill_twin_runs_long_forwards_and_keeps_the_cache_in_the_models_dty
 def test_the_draft_prefills_in_float32_where_that_measured_faster(tmp_path, monkeypatch) -> None:
     from conftest import make_model
 
-    import specagent.precision as precision
+    import specagent.engines.transformers.precision as precision
 
     def timed(model: torch.nn.Module, lengths: tuple[int, ...]) -> dict[int, float]:
         # As measured on a CPU without native bf16: bf16 wins one token, loses per row.

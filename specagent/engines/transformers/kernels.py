@@ -100,22 +100,49 @@ class LinearPlan:
                 yield
             return
         routes = _thread_routes()
-        held = [(m, m.__dict__.get("forward"), routes.get(id(m))) for m in linears]
+        outer = [(m, routes.get(id(m))) for m in linears]
+        _install(linears)
         try:
-            for module, _, _ in held:
+            for module, _ in outer:
                 routes[id(module)] = route
-                module.forward = types.MethodType(_routed_linear, module)  # type: ignore[method-assign]
             yield
         finally:
-            for module, before, outer in held:
-                if outer is None:
+            for module, before in outer:
+                if before is None:
                     routes.pop(id(module), None)
                 else:
-                    routes[id(module)] = outer
-                if before is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = before  # type: ignore[method-assign]
+                    routes[id(module)] = before
+            _uninstall(linears)
+
+
+_installed_lock = threading.Lock()
+_installed: dict[int, tuple[int, Any]] = {}
+"""Per module (by ``id``): how many plans running now rerouted it, on any thread, and the
+``forward`` its instance held before the first (None: the class's). Runtimes over one model
+object step on threads of their own; the rerouted ``forward`` stays until the last of them
+leaves, and only then is the module given back what it had."""
+
+
+def _install(linears: Sequence[torch.nn.Linear]) -> None:
+    with _installed_lock:
+        for module in linears:
+            count, before = _installed.get(id(module), (0, None))
+            if count == 0:
+                before = module.__dict__.get("forward")
+                module.forward = types.MethodType(_routed_linear, module)  # type: ignore[method-assign]
+            _installed[id(module)] = (count + 1, before)
+
+
+def _uninstall(linears: Sequence[torch.nn.Linear]) -> None:
+    with _installed_lock:
+        for module in linears:
+            count, before = _installed.pop(id(module), (1, None))
+            if count > 1:
+                _installed[id(module)] = (count - 1, before)
+            elif before is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = before  # type: ignore[method-assign]
 
 
 class PackedWeights:

@@ -10,15 +10,16 @@ import re
 import pytest
 import torch
 from conftest import PinnedCosts, hf_greedy, make_model
-from test_lossless_distribution import chi_square_pvalues, exact_marginals, sample_counts
+from distributions import chi_square_pvalues, exact_marginals, sample_counts
 from torch import nn
 
 from specagent import SpecRuntime
-from specagent.decoding.cache import ModelRunner
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.quantized import Int8Linear, int8_supported
 from specagent.decoding.sampling import SamplingParams
-from specagent.decoding.vocab import CallVocabulary, head_rows_for, restricted_logits
+from specagent.decoding.vocab import CallVocabulary
+from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.head import head_rows_for, restricted_logits
+from specagent.engines.transformers.quantized import Int8Linear, int8_supported
 from specagent.grammar import Constraint
 
 VOCAB = 40
@@ -65,8 +66,8 @@ def test_call_vocabulary_grows_with_its_context_and_rescans_another() -> None:
 
 
 def _runner(model: nn.Module) -> ModelRunner:
-    runner = ModelRunner(copy.deepcopy(model))
-    assert runner.use_head_rows(ROWS, always=[VOCAB - 1])
+    runner = ModelRunner(copy.deepcopy(model), head_rows=ROWS, always=[VOCAB - 1])
+    assert runner.head_rows == ROWS
     return runner
 
 
@@ -95,10 +96,10 @@ def test_forwards_single_and_batched_cover_the_rows_and_each_calls_own_ids() -> 
     assert torch.isinf(cut[0][:, 25]).all()
 
 
-def test_use_head_rows_is_refused_where_it_cannot_hold() -> None:
+def test_head_rows_are_refused_where_they_cannot_hold() -> None:
     model = make_model(VOCAB, layers=1, seed=4)
-    assert not ModelRunner(model).use_head_rows(VOCAB)  # not fewer than the head has
-    assert not ModelRunner(model).use_head_rows(0)
+    assert ModelRunner(model, head_rows=VOCAB).head_rows is None  # not fewer than it has
+    assert ModelRunner(model, head_rows=0).head_rows is None
 
     class Scaled(nn.Module):  # a head that is more than a projection (soft-capping, scaling)
         def __init__(self, inner: nn.Linear) -> None:
@@ -110,7 +111,7 @@ def test_use_head_rows_is_refused_where_it_cannot_hold() -> None:
 
     odd = copy.deepcopy(model)
     odd.lm_head = Scaled(odd.lm_head)  # type: ignore[assignment]
-    assert not ModelRunner(odd).use_head_rows(ROWS)
+    assert ModelRunner(odd, head_rows=ROWS).head_rows is None
 
 
 def test_head_rows_for_reads_the_tokenizers_order(tokenizer) -> None:
@@ -185,8 +186,8 @@ def test_sampling_through_a_restricted_draft_head_matches_target(small_target, s
     """The draft proposes only ids below 5, its prompt's (3, 7) and id 9; the target's tokens
     must still follow its own distribution (the acceptance rule compares against the
     restricted q the draft sampled from)."""
-    runner = ModelRunner(small_draft)
-    assert runner.use_head_rows(5, always=[9])
+    runner = ModelRunner(small_draft, head_rows=5, always=[9])
+    assert runner.head_rows == 5
     params = SamplingParams(temperature=1.0)
     marginals = exact_marginals(small_target, params)
     counts = sample_counts(small_target, lambda: DraftModelDrafter(runner), params, 3)

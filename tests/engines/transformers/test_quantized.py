@@ -9,22 +9,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_model
-from test_lossless_distribution import (
+from distributions import (
     chi_square_pvalues,
     exact_marginals,
     sample_counts,
 )
 
 from specagent.decoding import acceptance
-from specagent.decoding.cache import ModelRunner
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.quantized import (
+from specagent.decoding.sampling import SamplingParams
+from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.quantized import (
     Int8Linear,
     has_int8_weights,
     int8_supported,
     quantize_linears,
 )
-from specagent.decoding.sampling import SamplingParams
 from specagent.machine import model_key
 from specagent.models import model_vocab_size
 

@@ -43,10 +43,17 @@ def make_qwen2(vocab_size: int, *, layers: int = 2, hidden: int = 64, seed: int 
 
 
 def write_gguf(
-    model: Any, tokenizer: Any, path: Path, *, context: int = 1024, extra: tuple[str, ...] = ()
+    model: Any,
+    tokenizer: Any,
+    path: Path,
+    *,
+    context: int = 1024,
+    extra: tuple[str, ...] = (),
+    merges: list[str] | None = None,
 ) -> Path:
     """``model`` (a Qwen2ForCausalLM) and ``tokenizer`` (byte-level BPE) as a float32 GGUF;
-    ``extra``: control tokens after the tokenizer's (the model's vocabulary has room)."""
+    ``extra``: control tokens after the tokenizer's (the model's vocabulary has room);
+    ``merges``: the BPE merges to write (default: the tokenizer's own)."""
     import gguf
 
     config = model.config
@@ -79,8 +86,11 @@ def write_gguf(
             types.append(gguf.TokenType.CONTROL)
         else:
             types.append(gguf.TokenType.NORMAL)
-    backend = tokenizer.backend_tokenizer
-    merges = [" ".join(m) if isinstance(m, tuple | list) else m for m in _merges(backend)]
+    if merges is None:
+        merges = [
+            " ".join(m) if isinstance(m, tuple | list) else m
+            for m in _merges(tokenizer.backend_tokenizer)
+        ]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)

@@ -43,6 +43,7 @@ from transformers.cache_utils import StaticLayer
 __all__ = [
     "STATIC_TOKENS",
     "CompiledStep",
+    "StaticKV",
     "StepChoice",
     "as_dynamic",
     "choose_compiled_step",
@@ -96,10 +97,18 @@ def is_static(cache: Any) -> bool:
     return bool(layers) and all(isinstance(layer, _Layer) for layer in layers)
 
 
+class StaticKV(StaticCache):
+    """A static cache made here. The prefix cache keeps it as an ordinary cache cut to its
+    length (``kept_copy``), not with all its slots."""
+
+    def kept_copy(self) -> DynamicCache:
+        return as_dynamic(self)
+
+
 def new_static(config: Any, capacity: int) -> StaticCache | None:
     """A static cache of ``capacity`` slots for a model of ``config``; None for models with other
     layer types (sliding windows, linear attention), which keep dynamic caches."""
-    cache = StaticCache(config=config, max_cache_len=capacity)
+    cache = StaticKV(config=config, max_cache_len=capacity)
     if not all(type(layer) is StaticLayer for layer in cache.layers):
         return None
     cache.layers = [_Layer(max_cache_len=capacity) for _ in cache.layers]
@@ -203,8 +212,8 @@ def choose_compiled_step(
     context_tokens: int = 64,
     steps: int = 12,
 ) -> StepChoice:
-    """Decide whether ``runner`` (a ``cache.ModelRunner``) runs its single-token steps compiled,
-    and set it up accordingly (``runner.compiled``).
+    """Decide whether ``runner`` (a ``ModelRunner`` not handed out yet) runs its single-token
+    steps compiled, and set it up accordingly (``runner.compiled``).
 
     A decision recorded in ``store`` for this machine and model shape (``key``) is reused.
     Otherwise, with ``measure``: compile, run ``steps`` greedy single-token steps both ways from
@@ -221,10 +230,10 @@ def choose_compiled_step(
             compiled_seconds=stored.get("compiled_seconds"),
             compile_seconds=stored.get("compile_seconds"),
         )
-        runner.compiled = runner.compiler() if choice.compiled else None
+        runner._use_compiled(runner.compiler() if choice.compiled else None)
         return choice
     if not measure:
-        runner.compiled = None
+        runner._use_compiled(None)
         return StepChoice(False, "not measured on this machine: eager steps")
     choice = _measure(runner, context_tokens, steps)
     if store is not None:
@@ -237,7 +246,7 @@ def _measure(runner: Any, context_tokens: int, steps: int) -> StepChoice:
     context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
 
     def run(compiled: CompiledStep | None) -> tuple[list[int], list[float]]:
-        runner.compiled = compiled
+        runner._use_compiled(compiled)
         cache = runner.new_cache()
         logits = runner.forward(context, cache, keep=1)
         tokens, seconds = [], []
@@ -254,7 +263,7 @@ def _measure(runner: Any, context_tokens: int, steps: int) -> StepChoice:
     try:
         compiled_tokens, timed = run(runner.compiler())
     except Exception as error:  # no compiler toolchain, an unsupported op: stay eager
-        runner.compiled = None
+        runner._use_compiled(None)
         return StepChoice(False, f"compiling failed: {type(error).__name__}: {error}"[:300])
     eager_s, compiled_s = _median(eager[1:]), _median(timed[1:])
     figures = {
@@ -263,12 +272,12 @@ def _measure(runner: Any, context_tokens: int, steps: int) -> StepChoice:
         "compile_seconds": round(timed[0], 2),
     }
     if compiled_tokens != eager_tokens:
-        runner.compiled = None
+        runner._use_compiled(None)
         return StepChoice(False, "compiled steps chose other tokens than eager ones", **figures)
     if compiled_s < MIN_GAIN * eager_s:
         reason = f"compiled step is faster here: {compiled_s:.4f} s vs eager {eager_s:.4f} s"
         return StepChoice(True, reason, **figures)
-    runner.compiled = None
+    runner._use_compiled(None)
     reason = f"compiled step not clearly faster here: {compiled_s:.4f} s vs eager {eager_s:.4f} s"
     return StepChoice(False, reason, **figures)
 

@@ -12,19 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specagent.decoding import kernels
-from specagent.decoding.cache import ModelRunner
 from specagent.decoding.costs import measure_costs
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.kernels import (
+from specagent.decoding.loop import speculative_generate
+from specagent.decoding.sampling import SamplingParams
+from specagent.decoding.schedule import FixedSchedule
+from specagent.engines.transformers import ModelRunner, kernels
+from specagent.engines.transformers.kernels import (
     LinearPlan,
     PackedWeights,
     choose_kernels,
     transposed_linear,
 )
-from specagent.decoding.loop import speculative_generate
-from specagent.decoding.sampling import SamplingParams
-from specagent.decoding.schedule import FixedSchedule
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (3, 16), (2, 5, 16)])
@@ -244,9 +243,10 @@ def test_weights_are_not_packed_without_the_memory_for_the_copy(monkeypatch) -> 
 
 
 def test_runner_logits_with_packed_weights_match_torch_kernels(target, draft) -> None:
-    packed_everywhere = LinearPlan(packed_rows=frozenset(range(1, 65)))
-    planned = ModelRunner(target, kernels=packed_everywhere)
-    planned.packed = _packed(target)
+    _packed(target)  # skips where the weights cannot be packed here
+    planned = ModelRunner(target)
+    assert planned.restore({"packed_rows": list(range(1, 65))})  # as a stored plan is taken
+    assert planned.packed is not None
     a = _assert_logits_match_torch(target, planned)
     ids = TOKENS
     # Decoding on, one token at a time and then a verification's rows, from the packed copy.
@@ -275,17 +275,22 @@ def test_packed_weights_are_chosen_where_fastest() -> None:
 
 
 def test_measured_costs_keep_packed_weights_only_where_chosen(target, monkeypatch) -> None:
-    runner = ModelRunner(target)
     if PackedWeights.of(target) is None:
         pytest.skip("oneDNN cannot pack float32 weights on this machine")
     monkeypatch.setattr(kernels, "MIN_GAIN", 0.0)  # no form can win: torch's kernels stay
+    runner = ModelRunner(target)
     measure_costs(runner, None, 4, repeats=1)
     assert not runner.kernels
     assert runner.packed is None
     monkeypatch.setattr(kernels, "MIN_GAIN", 1e9)  # every form wins over torch's
     measure_costs(runner, None, 4, repeats=1)
-    assert runner.kernels
-    assert (runner.packed is not None) == bool(runner.kernels.packed_rows)
+    assert not runner.kernels  # settled once: measuring again only times it
+    other = ModelRunner(target)
+    measure_costs(other, None, 4, repeats=1)
+    assert other.kernels
+    assert (other.packed is not None) == bool(other.kernels.packed_rows)
+    assert not other.restore({"transposed_rows": [2]})  # another plan is refused once settled
+    assert other.restore(other.settings)
 
 
 def test_kernels_are_chosen_per_length_by_time() -> None:
@@ -360,10 +365,37 @@ def test_measured_costs_leave_each_runner_with_its_kernels(target, draft) -> Non
     costs = measure_costs(target_runner, None, 6, repeats=1)
     assert len(costs.verify) == 6
     assert costs.verify[0] == 1.0
-    chosen = LinearPlan(frozenset({2, 3, 30}))  # as if the verify curve had chosen these
-    target_runner.kernels = chosen
+    chosen = LinearPlan(frozenset({2, 3, 30}))  # as if an earlier process had chosen these
+    target_runner = ModelRunner(target)
+    assert target_runner.restore({"transposed_rows": [2, 3, 30]})
     costs = measure_costs(target_runner, draft_runner, 1, draft_tokens=4, repeats=1)
     assert len(costs.draft) == 4
     assert costs.draft_step == costs.draft[0]
     assert target_runner.kernels == chosen  # timing the unit does not re-choose them
     assert isinstance(draft_runner.kernels, LinearPlan)
+
+
+def test_plans_on_two_threads_leave_the_modules_as_they_were() -> None:
+    """Runtimes over one model object step on threads of their own: one thread's plan may end
+    while the other's runs, in any order, and the modules get back what they had only when the
+    last ends (a racy save-and-restore left a rerouted forward behind)."""
+    import threading
+
+    layer = torch.nn.Linear(16, 16)
+    plan = LinearPlan(frozenset({3}))
+    inside, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with plan.active(linears=[layer]):
+            inside.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    inside.wait(5)
+    with plan.active(linears=[layer]):
+        release.set()  # the other thread's plan ends first, while this one runs
+        thread.join(5)
+        assert "forward" in layer.__dict__  # still rerouted for this thread
+        layer(torch.randn(3, 16))
+    assert "forward" not in layer.__dict__

@@ -1,0 +1,239 @@
+"""Prefix reuse: KV of earlier prompts and conversations, kept per tenant and runner, so that
+the next turn of a conversation prefills only its new message. Engine-agnostic: an entry is a
+copy of whatever a runner's ``new_cache`` made (``KVSequence``), taken with ``copy.deepcopy``
+or, where the engine says how, with the cache's own ``kept_copy``."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+from ..errors import GenerationError
+from .engine import Runner, crop_to
+from .parts import Prefixes
+
+__all__ = [
+    "PrefixCache",
+    "PrefixScope",
+    "Scoped",
+    "common_prefix_length",
+    "reuse_prefix",
+]
+
+
+def reuse_prefix(
+    runner: Runner, tokens: Sequence[int], prefixes: Prefixes | None
+) -> tuple[Any, int]:
+    """A cache for ``runner`` holding the longest kept prefix of ``tokens`` (empty when none is
+    kept), and that prefix's length. Nothing is computed: the caller feeds the rest with its
+    first forward (then ``Prefixes.store`` keeps the whole for later calls)."""
+    cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
+    return (runner.new_cache() if cache is None else runner.adopt(cache)), reused
+
+
+class PrefixCache:
+    """KV of recent prompts and conversations, reused across calls (bounded, least recently used
+    first out).
+
+    Agents resend the same system prompt and tool schemas on every turn, and each turn resends
+    the conversation so far: the previous turn's prompt and the reply the model wrote. A call
+    leaves two entries: its prompt's KV after the prefill, and, when it finishes, the KV of its
+    prompt and output (the cache it decoded with, handed over without a copy). A later call
+    whose prompt shares a long enough prefix with a kept entry starts from a copy of that KV,
+    cropped to the shared length, and prefills only the rest: the next turn of an agent pays
+    for its new message only. An entry that is a prefix of a newer one (same owner) is dropped.
+    Entries are per owner: a model runner (target, draft, early-exit view: their KV differ)
+    within a scope (``scoped``: one tenant's calls never start from another tenant's KV).
+    Over budget, the scope holding the most tokens loses its least recently used entry: one
+    tenant alone may fill the cache, but its calls never flush a smaller tenant's prefixes.
+
+    Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
+    must never change. Its own worker uses it; an engine shared by several runtimes may ask it
+    to evict from another runtime's worker thread, so a lock guards it (``evict_oldest`` never
+    waits for it: two workers each evicting from the other's cache must not deadlock).
+    """
+
+    def __init__(self, max_tokens: int = 65536, min_tokens: int = 32) -> None:
+        if max_tokens < 0 or min_tokens < 1:
+            raise ValueError("PrefixCache needs max_tokens >= 0 and min_tokens >= 1")
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], Any] = OrderedDict()
+        self._size = 0
+        self._scope_sizes: Counter[Hashable] = Counter()
+        self.hits = 0
+        self.reused_tokens = 0
+        self._lock = threading.RLock()
+
+    def scoped(self, scope: Hashable) -> PrefixScope:
+        """The view of this cache that one scope (a tenant) reads and writes."""
+        return PrefixScope(self, scope)
+
+    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+        """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
+        its length; ``(None, 0)`` when no kept entry shares ``min_tokens`` or more."""
+        with self._lock:
+            return self._lookup(owner, tokens)
+
+    def _lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+        best_key, best_len = self._longest(owner, tokens)
+        if best_key is None:
+            return None, 0
+        self._entries.move_to_end(best_key)
+        try:
+            cache = copy.deepcopy(self._entries[best_key])
+        except GenerationError:  # an engine with no sequence left for the copy: start cold
+            return None, 0
+        crop_to(cache, best_len)
+        self.hits += 1
+        self.reused_tokens += best_len
+        return cache, best_len
+
+    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` ``lookup`` would find kept: what a drafter weighs before it
+        decides to catch up (no copy made, no hit counted)."""
+        with self._lock:
+            return self._longest(owner, tokens)[1]
+
+    def _longest(
+        self, owner: Hashable, tokens: Sequence[int]
+    ) -> tuple[tuple[Hashable, tuple[int, ...]] | None, int]:
+        best_key, best_len = None, 0
+        for key in self._entries:
+            if key[0] != owner:
+                continue
+            shared = common_prefix_length(key[1], tokens)
+            if shared > best_len:
+                best_key, best_len = key, shared
+        if best_key is None or best_len < self.min_tokens:
+            return None, 0
+        return best_key, best_len
+
+    def store(
+        self, owner: Hashable, tokens: Sequence[int], cache: Any, *, copy: bool = True
+    ) -> None:
+        """Keep the KV of ``tokens``, which ``cache`` holds as its first positions: a copy cut to
+        them (made only when the entry is kept), or (``copy=False``, for a cache its call no
+        longer uses and that holds exactly them) the cache itself."""
+        if len(tokens) < self.min_tokens or len(tokens) > self.max_tokens:
+            return
+        with self._lock:
+            self._store(owner, tuple(tokens), cache, copy)
+
+    def _store(self, owner: Hashable, tokens: tuple[int, ...], cache: Any, copy: bool) -> None:
+        key = (owner, tokens)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        covered = [
+            old
+            for old in self._entries
+            if old[0] == owner and len(old[1]) < len(key[1]) and key[1][: len(old[1])] == old[1]
+        ]
+        for old in covered:  # the new entry holds all of them
+            self._drop(old)
+        try:
+            kept = _kept(cache, copy)
+        except GenerationError:  # an engine with no sequence left for a copy: keep none
+            return
+        crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
+        self._entries[key] = kept
+        self._size += len(tokens)
+        self._scope_sizes[_scope_of(owner)] += len(tokens)
+        while self._size > self.max_tokens:
+            self._evict_from_largest()
+
+    def _evict_from_largest(self) -> None:
+        """Drop the least recently used entry of the scope that holds the most tokens."""
+        largest = max(self._scope_sizes, key=self._scope_sizes.__getitem__)
+        self._drop(next(k for k in self._entries if _scope_of(k[0]) == largest))
+
+    def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
+        del self._entries[key]
+        self._size -= len(key[1])
+        scope = _scope_of(key[0])
+        self._scope_sizes[scope] -= len(key[1])
+        if self._scope_sizes[scope] <= 0:
+            del self._scope_sizes[scope]
+
+    def evict_oldest(self) -> bool:
+        """Drop the largest scope's least recently used entry (an engine short of sequences or
+        memory asks); False when there is none, or when another thread holds this cache now."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._entries:
+                return False
+            self._evict_from_largest()
+            return True
+        finally:
+            self._lock.release()
+
+    def clear(self) -> None:
+        """Forget every entry (counters stay)."""
+        with self._lock:
+            self._entries.clear()
+            self._size = 0
+            self._scope_sizes.clear()
+
+    @property
+    def size(self) -> int:
+        """Tokens held, over every entry."""
+        return self._size
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _kept(cache: Any, copied: bool) -> Any:
+    """What an entry keeps of ``cache``: a copy, or (``copied=False``) the cache itself, unless
+    the engine makes its own kept copies (``kept_copy``: a transformers static cache keeps an
+    ordinary one cut to its length, not all its slots)."""
+    own = getattr(cache, "kept_copy", None)
+    if own is not None:
+        return own()
+    return copy.deepcopy(cache) if copied else cache
+
+
+class Scoped(NamedTuple):
+    """An owner within a scope: what ``PrefixScope`` files its entries under."""
+
+    scope: Hashable
+    owner: Hashable
+
+
+def _scope_of(owner: Hashable) -> Hashable:
+    """The scope whose budget an entry draws on (unscoped owners share one)."""
+    return owner.scope if isinstance(owner, Scoped) else None
+
+
+class PrefixScope:
+    """One scope's view of a ``PrefixCache``: lookups see only entries stored through the same
+    scope. The runtime gives each call its tenant's scope."""
+
+    def __init__(self, cache: PrefixCache, scope: Hashable) -> None:
+        self.cache = cache
+        self.scope = scope
+
+    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+        return self.cache.lookup(Scoped(self.scope, owner), tokens)
+
+    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+        return self.cache.matched(Scoped(self.scope, owner), tokens)
+
+    def store(
+        self, owner: Hashable, tokens: Sequence[int], cache: Any, *, copy: bool = True
+    ) -> None:
+        self.cache.store(Scoped(self.scope, owner), tokens, cache, copy=copy)
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
