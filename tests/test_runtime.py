@@ -314,12 +314,8 @@ def test_lossless_distribution_through_the_runtime() -> None:
     """The public path (adaptive k, calibrated costs, worker, batched verification of
     concurrent calls with ragged acceptance) stays lossless: the first four tokens match the
     target's exact marginals (chi-square, N = 1500)."""
-    from decoding.test_lossless_distribution import (
-        STEPS,
-        VOCAB,
-        chi_square_pvalues,
-        exact_marginals,
-    )
+    from distributions import PROMPT, STEPS, chi_square_pvalues, exact_marginals
+    from engine_pairs import SMALL_VOCAB as VOCAB
 
     from specagent.decoding.sampling import SamplingParams
 
@@ -334,8 +330,6 @@ def test_lossless_distribution_through_the_runtime() -> None:
     rt = SpecRuntime(target=target, draft=draft, policies=[policy], device="cpu")
     rt.target.generation_config.eos_token_id = None
     rt.eos_token_ids = []
-    from decoding.test_lossless_distribution import PROMPT
-
     marginals = exact_marginals(target, SamplingParams(temperature=1.0))
     counts = np.zeros((STEPS, VOCAB))
 
