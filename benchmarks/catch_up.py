@@ -150,9 +150,7 @@ def main() -> None:
         "tools": args.tools,
         "rows": rows,
     }
-    path = write_result(
-        result, args.out, f"catch_up_{Path(args.target).name}_{rt.device.type}", started
-    )
+    path = write_result(result, args.out, f"catch-up_{Path(args.target).name}", started)
     print(f"wrote {path}")
 
 

@@ -121,9 +121,7 @@ def main() -> None:
         "step_decision": steps,
         "end_to_end": rows,
     }
-    path = write_result(
-        result, args.out, f"compiled_steps_{Path(args.target).name}_{eager.device.type}", started
-    )
+    path = write_result(result, args.out, f"compiled-steps_{Path(args.target).name}", started)
     print(f"wrote {path}")
 
 

@@ -114,9 +114,7 @@ def main() -> None:
             for key in ("float32_prefill_vs_plain", "bf16_prefill_vs_plain")
         },
     }
-    path = write_result(
-        result, args.out, f"draft_prefill_{Path(args.target).name}_{rt.device.type}", started
-    )
+    path = write_result(result, args.out, f"draft-prefill_{Path(args.target).name}", started)
     print(json.dumps(result["geomean_vs_plain"]))
     print(f"wrote {path}")
 

@@ -16,7 +16,7 @@ forwards do not depend on the weights' values; acceptance does, so it is control
    specagent with the draft model end to end with compiled steps on both models against eager,
    outputs compared.
 
-    python benchmarks/gpu_step_costs.py --out benchmarks/results/gpu_h200.json
+    python benchmarks/gpu_step_costs.py --out benchmarks/results/gpu-step-costs_h200.json
     python benchmarks/gpu_step_costs.py --tiny   # a CPU smoke run of the same code paths
 """
 

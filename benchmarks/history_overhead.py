@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.decoding.history import HistoryStore
 from specagent.decoding.suffix import SuffixDrafter
-from specagent.machine import machine_info
+from specagent.machine import machine_info, machine_kind
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument(
         "--from-bench",
         type=Path,
-        default=Path("benchmarks/results/bench_qwen2.5-coder_cpu_agent.json"),
+        default=Path("benchmarks/results/bench-agent_transformers_qwen2.5-coder_zen3.json"),
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -95,7 +95,7 @@ def main() -> None:
         "machine": machine_info(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "history_overhead.json"
+    path = args.out / f"history-overhead_{machine_kind()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
 

@@ -16,7 +16,7 @@ between the rounds without any) and a last round with every kind at once.
 Reported: the honest streams' gap p50/p95/max alone and with each kind (what it added),
 whether every honest stream's text is the same in every round, each hostile request's status
 and time, and what the server holds afterwards (``/ready``: nothing running or queued). Writes
-``benchmarks/results/hostile_load_tiny.json`` with the machine it ran on.
+``benchmarks/results/hostile-load_tiny_<machine kind>.json`` with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from runtime_load import tiny_model
 from server_load import KEY, messages, percentile, start_server
 
 from specagent.catalog import resolve_model
-from specagent.machine import machine_info
+from specagent.machine import machine_info, machine_kind
 
 HOSTILE_KEY = "hostile-key-0123456789abcdefghij"
 TOOL = {
@@ -280,7 +280,7 @@ def main() -> None:
     }
     print(json.dumps(report, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "hostile_load_tiny.json"
+    path = args.out / f"hostile-load_tiny_{machine_kind()}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
 

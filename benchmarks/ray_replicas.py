@@ -7,7 +7,7 @@ A local Ray instance (this machine's cores), the app of ``specagent.server.ray_a
 and then two replicas (``cpus_per_replica=1``: one torch thread each), the same greedy calls from
 ``--clients`` concurrent HTTP clients (distinct conversations, so prefix affinity spreads them);
 every response is checked against the same call on one in-process runtime. Writes
-``benchmarks/results/ray_replicas_tiny.json`` with the machine it ran on.
+``benchmarks/results/ray-replicas_tiny_<machine kind>.json`` with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from runtime_load import tiny_model
 
 from specagent import SpecRuntime, shipped_policies
 from specagent.catalog import resolve_model
-from specagent.machine import machine_info
+from specagent.machine import machine_info, machine_kind
 from specagent.server import hash_key
 
 KEY = "bench-key-0123456789abcdefghij"
@@ -145,7 +145,7 @@ def main() -> None:
     report["speedup_2_over_1"] = two / one
     print(f"2 replicas / 1 replica: {two / one:.2f}x")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "ray_replicas_tiny.json"
+    path = args.out / f"ray-replicas_tiny_{machine_kind()}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -40,7 +40,7 @@ from specagent.bench import baseline_methods
 from specagent.catalog import resolve_model
 from specagent.chat import render_prompt
 from specagent.evaluation import load_prompt_set
-from specagent.machine import machine_info
+from specagent.machine import machine_info, machine_kind
 
 
 def policy(name: str, reproducible: bool) -> Policy:
@@ -141,7 +141,7 @@ def main() -> None:
         "machine": machine_info(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"reproducibility_{Path(args.target).name}_{args.dtype}.json"
+    path = args.out / f"reproducibility_{Path(args.target).name}_{args.dtype}_{machine_kind()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
     print(f"wrote {path}")

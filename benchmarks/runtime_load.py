@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
 from specagent.catalog import resolve_model
+from specagent.machine import machine_info, machine_kind
 
 TOOLS_BLURB = (
     "Tool lookup_order(order_id: string) returns the order's status, carrier and delivery date. "
@@ -263,16 +264,17 @@ def main() -> None:
         model = tiny_model(tokenizer) if args.tiny else AutoModelForCausalLM.from_pretrained(path)
         model.eval()
         name = f"tiny-llama-4x128 ({args.target} tokenizer)" if args.tiny else args.target
-    report: dict[str, Any] = {"target": name, "engine": args.engine}
+    report: dict[str, Any] = {"target": name, "engine": args.engine, "machine": machine_info()}
     report["prefix_reuse"] = ttft_with_and_without_reuse(model, tokenizer, args.turns)
     print(json.dumps(report["prefix_reuse"], indent=1), flush=True)
     report["concurrency"] = concurrency(
         model, tokenizer, args.concurrency, args.new_tokens, args.repeats
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"runtime_load_{'tiny' if args.tiny else Path(args.target).name}"
+    stem = f"runtime-load_{'tiny' if args.tiny else Path(args.target).name}"
     if args.engine == "llama.cpp":
-        stem += "_llama_cpp"
+        stem += "_llama-cpp"
+    stem += f"_{machine_kind()}"
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     chart(report, args.out / f"{stem}.png")
     print(f"wrote {args.out / stem}.json and .png")

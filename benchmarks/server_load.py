@@ -11,7 +11,7 @@
    content chunk (p50/p95) and the wall time, and whether every response equals the same call
    alone (greedy). Only localhost traffic; every loop is bounded.
 
-Writes ``benchmarks/results/server_load_<model>.json`` with the machine it ran on.
+Writes ``benchmarks/results/server-load_tiny_<machine kind>.json`` with the machine it ran on.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from runtime_load import tiny_model
 
 from specagent import SpecRuntime, shipped_policies
 from specagent.catalog import resolve_model
-from specagent.machine import machine_info
+from specagent.machine import machine_info, machine_kind
 
 KEY = "bench-key-0123456789abcdefghij"
 TOPICS = ["order", "refund", "parcel", "invoice", "meeting", "summary", "code", "weather"]
@@ -226,7 +226,7 @@ def main() -> None:
             server.wait(60)
             runtime.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "server_load_tiny.json"
+    path = args.out / f"server-load_tiny_{machine_kind()}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -29,7 +29,7 @@ import torch
 
 from .chat import render_prompt
 from .divergence import explain_divergence, tally_differences
-from .machine import machine_info
+from .machine import machine_info, machine_kind
 from .policy import Policy
 from .policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
 from .runtime import SpecRuntime
@@ -501,15 +501,17 @@ def save(result: BenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
 
 
 def write_result(result: dict[str, Any], out_dir: Path, stem: str, started: float) -> Path:
-    """A benchmark script's JSON (``out_dir/stem.json``): its numbers, then the process's peak
-    resident memory, the seconds since ``started`` and the machine it ran on."""
+    """A benchmark script's JSON (``out_dir/<stem>_<machine kind>.json``: a newer run on the
+    same kind of machine replaces it): its numbers, then the process's peak resident memory,
+    the seconds since ``started`` and the machine it ran on."""
+    machine = machine_info()
     full = {
         **result,
         "peak_rss_mb": peak_rss_mb(),
         "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine_info(),
+        "machine": machine,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}.json"
+    path = out_dir / f"{stem}_{machine_kind(machine)}.json"
     path.write_text(json.dumps(full, indent=1) + "\n")
     return path

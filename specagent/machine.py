@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ProbeStore", "config_key", "machine_info", "model_key"]
+__all__ = ["ProbeStore", "config_key", "machine_info", "machine_kind", "model_key"]
 
 _ISA_FLAGS = (
     "avx",
@@ -101,6 +101,29 @@ def _installed(distribution: str) -> str | None:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
+
+
+def machine_kind(info: dict[str, Any] | None = None) -> str:
+    """A short name for the kind of machine ``info`` (``machine_info()``) describes, for naming
+    result files: the accelerator (``h200``), else the CPU's generation where it is known
+    (``zen3``, ``zen4``, ``zen5``, ``xeon-amx``), else a slug of its model name."""
+    info = info if info is not None else machine_info()
+    accelerator = info.get("accelerator")
+    if accelerator:
+        words = [w for w in str(accelerator).lower().replace("-", " ").split() if w != "nvidia"]
+        return next((w for w in words if any(c.isdigit() for c in w)), "_".join(words)) or "gpu"
+    cpu = str(info.get("cpu", "")).lower()
+    family, _, model = str(info.get("cpu_family_model", "")).partition("/")
+    flags = set(info.get("isa_flags", []))
+    if "amd" in cpu and family.isdigit() and model.isdigit():
+        if family == "25":
+            return "zen4" if 16 <= int(model) < 32 or int(model) >= 96 else "zen3"
+        if family == "26":
+            return "zen5"
+    if "intel" in cpu and "amx_bf16" in flags:
+        return "xeon-amx"
+    slug = "".join(c if c.isalnum() else "-" for c in cpu).strip("-")
+    return "-".join(part for part in slug.split("-") if part)[:40] or "cpu"
 
 
 def fingerprint() -> str:

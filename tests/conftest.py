@@ -11,6 +11,29 @@ from engine_pairs import ENGINES, Pair, small_pair
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the tests marked slow (statistical suites, slow integrations) and "
+        "real_model (a real model from the catalog): what CI runs",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast suite by default; ``--full`` keeps every test (docs/testing.md)."""
+    if config.getoption("--full"):
+        return
+    kept, left = [], []
+    for item in items:
+        full_only = item.get_closest_marker("slow") or item.get_closest_marker("real_model")
+        (left if full_only else kept).append(item)
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = kept
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

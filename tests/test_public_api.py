@@ -1,4 +1,4 @@
-"""The public surface is what DESIGN.md names, sorted, and nothing private leaks."""
+"""The public surface is what the README and docs name, sorted, and nothing private leaks."""
 
 from __future__ import annotations
 

@@ -67,6 +67,6 @@ def test_replay_takes_the_real_runs_steps(target, draft, tokenizer) -> None:
     # Plain decoding: one forward per emitted token (the first one's prompt rows left out).
     (steps,) = replay.replay_specagent(runtime, policies["lossless-plain"], traces)["one"]
     assert steps.target_forwards == len(plain.token_ids)
-    single = runtime._engine.costs.measured(None).verify_cost(1)
+    single = runtime.step_costs(policies["lossless-plain"]).verify_cost(1)
     assert steps.target_units == len(plain.token_ids) * single
     runtime.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from ..decoding.registry import RULES
 from ..errors import SpecAgentError
+from ..machine import machine_kind
 from .parser import build_parser
 
 __all__ = ["main"]
@@ -19,11 +21,24 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _show_progress()
     try:
         return int(_dispatch(args) or 0)
     except SpecAgentError as exc:
         print(f"specagent: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _show_progress() -> None:
+    """Long work the library does once per machine (timing dtypes, measuring step costs) says
+    so through the ``specagent`` logger; on the command line it goes to stderr."""
+    logger = logging.getLogger("specagent")
+    if logger.handlers or logging.getLogger().handlers:
+        return  # the caller (a test, an embedding program) configured logging itself
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("specagent: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _dispatch(args: argparse.Namespace) -> int | None:
@@ -254,7 +269,11 @@ def _bench(args: argparse.Namespace) -> int:
         compile_steps=_compile_steps(args),
         engine=args.engine,
     )
-    stem = args.name or f"bench_{args.pair or Path(target).name}_{runtime.device.type}"
+    # Named by benchmark, engine and machine kind: a newer run of the same replaces it.
+    stem = args.name or (
+        f"bench-{args.workload}_{runtime.engine.replace('.', '-')}_"
+        f"{args.pair or Path(target).name}_{machine_kind()}"
+    )
     if agent:
         outcome = run_agent_bench(
             runtime,
@@ -264,7 +283,7 @@ def _bench(args: argparse.Namespace) -> int:
             target_name=Path(target).name,
             draft_name=Path(draft).name if draft else None,
         )
-        json_path, png_path = save_agent_bench(outcome, args.out, args.name or f"{stem}_agent")
+        json_path, png_path = save_agent_bench(outcome, args.out, stem)
         print(json.dumps(outcome.summary, indent=1))
         print(f"wrote {json_path} and {png_path}")
         runtime.close()
@@ -347,7 +366,7 @@ def _eval(args: argparse.Namespace) -> int:
     progress.close()
     report.prompt_set = source
     print(report.table())
-    stem = args.name or f"eval_{Path(report.target).name}_{runtime.device.type}"
+    stem = args.name or f"eval_{Path(report.target).name}_{machine_kind()}"
     json_path, png_path = report.save(args.out, stem)
     print(f"wrote {json_path} and {png_path}")
     runtime.close()

@@ -4,7 +4,8 @@ One ticket, three calls on one shared runtime:
 
 1. the agent looks the order up: a tool call, forced and made valid by constrained decoding;
 2. the answer to the customer, under ``customer-reply`` (lossless: exactly the model's output);
-3. an internal summary for the team, routed by its tags to ``internal-summary`` (relaxed).
+3. a two-line case note for the support team's log, routed by its tags to
+   ``internal-summary`` (relaxed).
 
 Then a table per call: policy, mode, drafter, tokens, acceptance, latency, tokens/s, divergence.
 """
@@ -118,23 +119,26 @@ def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto"
     answer = timed("customer answer", lambda: agent.invoke([system, human, request, tool_message]))
     print(f"\n[customer answer, lossless]\n{answer.content}")
 
-    summary = timed(
-        "internal summary",
+    # The team's case note: a different job from the reply (two labelled lines for the log,
+    # written from the ticket and the lookup, not from the reply), under the relaxed policy
+    # its tags route to.
+    note = timed(
+        "case note",
         lambda: agent.invoke(
             [
                 SystemMessage(
-                    "You write one-line notes for the support team's log: who wrote, about "
-                    "which order, what was found and what was promised. One sentence."
+                    "You keep the support team's case log; customers never see it. Write "
+                    "exactly two lines and nothing else:\n"
+                    "Case: <customer name>, order <order id>: <the problem, a few words>\n"
+                    "Outcome: <what the lookup found>; <what the customer was offered>"
                 ),
-                HumanMessage(
-                    f"Ticket: {TICKET}\nOrder data: {tool_message.content}\n"
-                    f"Reply sent: {answer.content}"
-                ),
+                HumanMessage(f"Ticket: {TICKET}\nOrder lookup: {tool_message.content}"),
             ],
             config={"tags": ["summary", "internal"]},
+            max_tokens=80,
         ),
     )
-    print(f"\n[internal summary, relaxed]\n{summary.content}\n")
+    print(f"\n[case note for the support team, relaxed]\n{note.content}\n")
     _table(calls)
     runtime.close()
     problems = _check(call["args"], str(answer.content))

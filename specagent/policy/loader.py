@@ -24,7 +24,18 @@ __all__ = [
     "shipped_policies",
 ]
 
-SHIPPED_POLICIES = Path(__file__).resolve().parents[1] / "data" / "policies"
+
+def _shipped_directory() -> Path:
+    """Where the shipped policies are: inside an installed wheel, the package
+    ``specagent._shipped_policies``; in a source checkout (an editable install), the
+    repository's own ``policies/``, from which the wheel takes them."""
+    installed = Path(__file__).resolve().parents[1] / "_shipped_policies"
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parents[2] / "policies"
+
+
+SHIPPED_POLICIES = _shipped_directory()
 """The directory of the policies that ship with the package (``customer-reply``,
 ``legal-drafting``, ...): found from any working directory, installed or editable."""
 

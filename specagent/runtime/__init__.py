@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import threading
 import time
@@ -67,6 +68,8 @@ from ._worker import AsyncSink, Job, Worker
 from .portal import iterate_sync, refuse_inside_event_loop
 
 __all__ = ["PoliciesArg", "SpecRuntime"]
+
+log = logging.getLogger("specagent.runtime")
 
 
 class SpecRuntime:
@@ -269,6 +272,23 @@ class SpecRuntime:
             policy = self.policies[policy]
         return self._engine.costs.measured(self._engine.cost_runner(policy))
 
+    def planning_costs(self, policy: Policy | str) -> CostModel:
+        """The step costs calls under ``policy`` plan with now: the measured ones, or a prior
+        while the background measurement has not reached them (``activity()["measured"]``).
+        Measures nothing."""
+        if isinstance(policy, str):
+            policy = self.policies[policy]
+        return self._engine.costs.model(self._engine.cost_runner(policy))
+
+    @property
+    def tuning(self) -> dict[str, dict[str, Any]]:
+        """Per model (``target``, ``draft``): what its engine settled by timing its forwards
+        (the transformers engine: its linear-kernel plan, chosen by the first cost measurement
+        on this machine and read back afterwards; llama.cpp settles nothing), as stored with
+        the step costs."""
+        runners = {"target": self._engine.target_runner, "draft": self._engine.draft_runner}
+        return {role: dict(r.settings) for role, r in runners.items() if r is not None}
+
     @property
     def eos_token_ids(self) -> list[int]:
         """Tokens that end a call (the model's generation config and the tokenizer's); set it
@@ -376,8 +396,23 @@ class SpecRuntime:
             prepare(self.tokenizer, self.vocab_size, self.eos_token_ids)
             yield
         measurement = self._engine.measurement(list(self.policies))
-        if measurement is not None:
-            yield from measurement
+        if measurement is None:
+            return
+        started, timings = time.perf_counter(), 0
+        for _ in measurement:  # each slice is one timed forward; none where all was stored
+            if timings == 0:
+                log.info(
+                    "measuring what drafting costs on this machine, in the background between "
+                    "calls (once per machine and model; calls plan with estimates meanwhile)"
+                )
+            timings += 1
+            yield
+        if timings:
+            log.info(
+                "step costs measured in %.0f s (%d timed forwards); kept for this machine",
+                time.perf_counter() - started,
+                timings,
+            )
 
     # ------------------------------------------------------------------ the async core
 

@@ -15,7 +15,11 @@ from specagent.chat import ToolCall
 
 agents = pytest.importorskip("langchain.agents")
 
-needs_model = pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
+
+def needs_model(test):
+    """A test on the real model: the full suite's, and never with SPECAGENT_TEST_MODEL=none."""
+    skip = pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
+    return pytest.mark.real_model(skip(test))
 
 
 @tool

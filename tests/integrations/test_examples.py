@@ -14,7 +14,10 @@ from capable import CAPABLE_MODEL, NO_CAPABLE_MODEL, capable_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none"),
+]
 
 
 def run_example(name: str, *args: str) -> str:
@@ -78,3 +81,8 @@ def test_the_demo_runs_and_its_checks_pass() -> None:
     assert "checks passed" in done.stdout
     assert "customer-reply" in done.stdout  # the table of calls
     assert "internal-summary" in done.stdout
+    # Two jobs, two texts: the team's case note is not the customer's answer again.
+    answer = done.stdout.split("[customer answer, lossless]")[1].split("\n\n")[0].strip()
+    note = done.stdout.split("[case note for the support team, relaxed]")[1].split("\n\n")[0]
+    assert note.strip()
+    assert note.strip() != answer

@@ -119,6 +119,7 @@ CAPABLE_MODEL_TESTS = [
 
 
 @pytest.mark.anyio
+@pytest.mark.real_model
 @pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
 class TestChatSpecAgentCapable(ChatSpecAgentCapabilities, ChatModelIntegrationTests):
     """The standard tests that need a model that follows instructions, on a real one."""

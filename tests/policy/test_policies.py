@@ -213,3 +213,53 @@ def test_policies_are_immutable() -> None:
     policy = Policy(name="x", description="d", mode="lossless")
     with pytest.raises(Exception, match="frozen"):
         policy.mode = "relaxed"  # type: ignore[misc]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_lists_every_package_and_takes_the_policies_from_the_top_level() -> None:
+    """pyproject.toml lists the packages (the shipped policies enter the wheel from policies/
+    as ``specagent._shipped_policies``): the list must name every package directory, and a
+    source checkout finds the policies in policies/ (one copy)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "specagent").rglob("__init__.py")
+    } | {"langchain_specagent"}
+    assert set(config["packages"]) == found | {"specagent._shipped_policies"}
+    assert config["package-dir"]["specagent._shipped_policies"] == "policies"
+    assert SHIPPED == ROOT / "policies"
+    assert not (ROOT / "specagent" / "data" / "policies").exists()
+
+
+@pytest.mark.slow
+def test_the_built_wheel_holds_the_shipped_policies(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("specagent-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for policy in (ROOT / "policies").glob("*.yaml"):
+        assert f"specagent/_shipped_policies/{policy.name}" in names
+    assert "langchain_specagent/chat_models.py" in names
+    assert "specagent/data/agent_episodes.jsonl" in names

@@ -30,7 +30,9 @@ from specagent.server.ray_app import (
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-pytestmark = pytest.mark.timeout(300)  # a deployment that cannot be placed fails, not hangs
+# A deployment that cannot be placed fails, not hangs; a local Ray instance takes a while: the
+# full suite's.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 PROMPTS = [[{"role": "user", "content": f"Hello world {i}"}] for i in range(6)]
 

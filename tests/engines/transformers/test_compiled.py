@@ -130,6 +130,7 @@ def run(target_runner, ids, drafter, schedule, n=40):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.slow  # compiles both models with inductor
 def test_compiled_steps_give_the_target_greedy_tokens(
     compiled_pair, target, tokenizer, prompt, monkeypatch
 ) -> None:
@@ -168,6 +169,7 @@ def conversation_policy() -> Policy:
     )
 
 
+@pytest.mark.slow  # compiles both models with inductor
 def test_the_runtime_measures_records_and_reuses_the_decision(target, draft, tokenizer) -> None:
     store = MemoryStore()
     rt = SpecRuntime(
@@ -201,9 +203,9 @@ def test_the_runtime_measures_records_and_reuses_the_decision(target, draft, tok
         assert "measured earlier" in choice["reason"]
     eager = SpecRuntime(target, draft, tokenizer, device="cpu", compile_steps=False)
     assert eager.compiled_steps == {}
-    assert eager._engine.target_runner.compiled is None
 
 
+@pytest.mark.slow  # compiles both models with inductor
 def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(target, draft, tokenizer) -> None:
     """Concurrent calls (batched forwards over static caches) and a conversation's next turn (a
     kept prefix copied back into a static cache) give the eager runtime's tokens."""

@@ -138,8 +138,7 @@ async def test_runtime_with_a_restricted_draft_head_equals_target_greedy(
         draft_head_rows=64,
     )
     async with runtime:
-        assert runtime._engine.draft_runner is not None
-        assert runtime._engine.draft_runner.head_rows == 64
+        assert runtime.draft_head_rows == 64
         results = [
             await runtime.generate(ids, max_new_tokens=24, policy="default") for _ in range(2)
         ]

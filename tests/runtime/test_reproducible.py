@@ -63,7 +63,9 @@ async def with_others(rt: SpecRuntime) -> list[int]:
 
 
 def started_measured(rt: SpecRuntime) -> list[bool]:
-    """Records, for every call the runtime starts decoding, whether its costs were measured."""
+    """Records, for every call the runtime starts decoding, whether its costs were measured
+    (through the runtime's own decode, ``rt._engine``: no public hook says when a call's
+    decoding starts)."""
     seen: list[bool] = []
     decode = rt._engine.decode
 

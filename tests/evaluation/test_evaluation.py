@@ -22,7 +22,7 @@ from specagent.evaluation import (
 from specagent.policy.loader import parse_policy
 from specagent.tuning import Budget, search_space, tune
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
     EvalPrompt("hello", [{"role": "user", "content": "Hello world"}], 24),
     EvalPrompt("code", [{"role": "user", "content": "def f(x):"}], 24),
@@ -146,6 +146,7 @@ def test_eval_end_to_end(runtime, similarity, tmp_path: Path) -> None:
     assert "typical epsilon=0.3" in table
 
 
+@pytest.mark.slow  # a tuning search over the rules' grid
 def test_tune_stays_within_budget_on_a_known_curve(runtime, similarity) -> None:
     policy = _policy()
     # The curve: at each k, divergence rises as lenience falls, and so does the modelled speed.
@@ -244,7 +245,7 @@ def test_lossless_twin_keeps_everything_but_acceptance() -> None:
 
 
 def test_cli_errors_name_the_input(tmp_path: Path, capsys) -> None:
-    policies = str(ROOT / "specagent" / "data" / "policies")
+    policies = str(ROOT / "policies")
     missing = str(tmp_path / "missing.jsonl")
     assert (
         main(

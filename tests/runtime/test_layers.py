@@ -127,15 +127,16 @@ def test_relaxed_rules_and_their_tuning_grids_come_from_the_registry() -> None:
 
 def test_costs_are_measured_in_the_background_while_calls_proceed(target, draft, tokenizer) -> None:
     runtime = SpecRuntime(target, draft, tokenizer, [ADAPTIVE], "cpu")
-    book = runtime._engine.costs
-    assert not book.is_measured(runtime._engine.draft_runner)
-    prior = book.model(runtime._engine.draft_runner)
+    assert not runtime.activity()["measured"]
+    prior = runtime.planning_costs("adaptive")
     assert 0 < prior.draft_step <= 1.0  # the draft's share of the target's weight bytes
+    assert not prior.verify  # nothing measured yet
     result = runtime.generate_sync("The quick brown fox", max_new_tokens=8)
     assert result.usage.output_tokens >= 1
     assert runtime.wait_measured(timeout=120)
-    assert book.is_measured(runtime._engine.draft_runner)
+    assert runtime.activity()["measured"]
     measured = runtime.step_costs("adaptive")
+    assert runtime.planning_costs("adaptive") == measured
     assert measured.verify[0] == 1.0
     assert len(measured.verify) == 7
     assert len(measured.draft) == 7
@@ -156,7 +157,7 @@ def test_a_failing_measurement_leaves_calls_on_the_prior(
         result = runtime.generate_sync("Hello world", max_new_tokens=6)
     assert result.usage.output_tokens >= 1
     assert "measuring step costs failed" in caplog.text
-    assert not runtime._engine.costs.is_measured(runtime._engine.draft_runner)
+    assert not runtime.planning_costs("adaptive").verify  # still the prior
     runtime.close()
 
 

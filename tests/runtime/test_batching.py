@@ -72,7 +72,9 @@ def runtime(target, draft, tokenizer):
 
 
 def _spy_batches(rt: SpecRuntime) -> list[int]:
-    """Record the size of every batched verification (the real forward still runs)."""
+    """Record the size of every batched verification (the real forward still runs). Spies and
+    planted faults here wrap the runtime's own runners and decode (``rt._engine``): no public
+    hook counts a round's forwards, keeps its caches or makes one fail."""
     sizes: list[int] = []
     real = rt._engine.target_runner.forward_batch
 
