@@ -6,12 +6,12 @@ offers, and nothing more."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from specagent.decoding.costs import time_lengths
+from specagent.decoding.costs import SettlesNothing
 
 VOCAB = 12
 EOS = 2
@@ -41,7 +41,7 @@ def table_logits(context: Sequence[int], seed: int = 1000) -> torch.Tensor:
     return logits
 
 
-class FakeRunner:
+class FakeRunner(SettlesNothing):
     head_rows = None
     takes_trees = False
 
@@ -52,18 +52,6 @@ class FakeRunner:
 
     def speed_key(self, *parts: object) -> str:
         return f"fake-{self.model.seed}-{parts}"
-
-    def tune(
-        self, lengths: Sequence[int], *, context_tokens: int = 32, repeats: int = 2
-    ) -> Generator[None, None, dict[int, float]]:
-        return time_lengths(self, lengths, context_tokens=context_tokens, repeats=repeats)
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {}
-
-    def restore(self, settings: Mapping[str, Any]) -> bool:
-        return True
 
     def new_cache(self) -> TokenSequence:
         return TokenSequence()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ __all__ = [
     "MEASURED_LENGTHS",
     "CostBook",
     "CostModel",
+    "SettlesNothing",
     "expected_tokens",
     "forward_timer",
     "interpolate_costs",
@@ -244,6 +245,25 @@ def time_lengths(
         seconds[n] = timer(n)
         yield
     return seconds
+
+
+class SettlesNothing:
+    """The step-cost side of ``Runner`` for an engine that chooses nothing by timing its
+    forwards (llama.cpp picks its own kernels): ``tune`` only times, and there is nothing to
+    store or take back."""
+
+    def tune(
+        self, lengths: Sequence[int], *, context_tokens: int = 32, repeats: int = 2
+    ) -> Generator[None, None, dict[int, float]]:
+        runner: Runner = self  # type: ignore[assignment]  # mixed into a runner
+        return time_lengths(runner, lengths, context_tokens=context_tokens, repeats=repeats)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, settings: Mapping[str, Any]) -> bool:
+        return True
 
 
 def interpolate_costs(measured: dict[int, float], max_tokens: int) -> list[float]:

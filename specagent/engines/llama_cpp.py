@@ -27,14 +27,14 @@ import ctypes
 import os
 import threading
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..decoding.costs import time_lengths
+from ..decoding.costs import SettlesNothing
 from ..decoding.engine import align_vocab
 from ..errors import GenerationError, ModelLoadError
 
@@ -380,7 +380,7 @@ class LlamaCppModel:
         return f"LlamaCppModel({self.name!r}: {self.description}, {self.threads} threads)"
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(SettlesNothing):
     """The decoding core's runner over a ``LlamaCppModel``: forwards over new tokens after a
     sequence, returning float32 logits (``[n_kept, V]``, V the target's vocabulary). llama.cpp
     chooses its own kernels: nothing here is tuned after load, ``tune`` only times."""
@@ -399,18 +399,6 @@ class LlamaCppRunner:
         from ..machine import config_key
 
         return config_key(self.model.key(), *parts)
-
-    def tune(
-        self, lengths: Sequence[int], *, context_tokens: int = 32, repeats: int = 2
-    ) -> Generator[None, None, dict[int, float]]:
-        return time_lengths(self, lengths, context_tokens=context_tokens, repeats=repeats)
-
-    @property
-    def settings(self) -> dict[str, Any]:
-        return {}
-
-    def restore(self, settings: Mapping[str, Any]) -> bool:
-        return True
 
     def new_cache(self) -> LlamaSequence:
         return self.model.sequence()

@@ -101,6 +101,7 @@ class SpecRuntime:
         compile_steps: bool | None = None,
         draft_prefill: PrefillTwin | None = None,
         draft_head_rows: int | Literal["auto"] | None = "auto",
+        kv_slots: bool = True,
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -165,6 +166,7 @@ class SpecRuntime:
             compile_steps=compile_steps,
             draft_prefill=draft_prefill,
             draft_head_rows=self._draft_head_rows(draft_head_rows),
+            kv_slots=kv_slots,
         )
 
     @property

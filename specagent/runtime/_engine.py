@@ -47,6 +47,7 @@ class Engine:
         compile_steps: bool | None = None,
         draft_prefill: PrefillTwin | None = None,
         draft_head_rows: int | None = None,
+        kv_slots: bool = True,
     ) -> None:
         self.target = target
         self.vocab_size = vocab_size
@@ -58,7 +59,11 @@ class Engine:
         """Earlier calls' text, per scope key (``drafter.history``)."""
         self.num_layers = num_layers(target)
         self.store = store
-        transformers_only: dict[str, Any] = {"compile_steps": compile_steps, "store": store}
+        transformers_only: dict[str, Any] = {
+            "compile_steps": compile_steps,
+            "store": store,
+            "slots": kv_slots,
+        }
         target_runner, target_choice = runner_for(target, **transformers_only)
         self.target_runner: Runner = target_runner
         self.draft_runner: Runner | None = None

@@ -32,6 +32,7 @@ from .compiled import CompiledStep, ensure_room, fill_static, is_static
 from .head import restricted_logits
 from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 from .quantized import Int8Linear
+from .slots import SlotBatch, SlotPool, SlotSequence, batch_mask, slot_shapes
 
 __all__ = [
     "ALONE_ROWS",
@@ -101,6 +102,7 @@ class ModelRunner:
         prefill_twin: PrefillTwin | None = None,
         head_rows: int | None = None,
         always: Sequence[int] = (),
+        slots: bool = False,
     ) -> None:
         self.model = model
         self.prefill_twin = prefill_twin
@@ -133,6 +135,18 @@ class ModelRunner:
         self._head_always = torch.tensor([], dtype=torch.long)
         if head_rows is not None:
             self._use_head_rows(head_rows, always)
+        shapes = slot_shapes(model.config) if slots else None
+        self._pool: SlotPool | None = None
+        if shapes is not None and self._body is not None:
+            layers, kv_heads, head_dim = shapes
+            self._pool = SlotPool(
+                layers,
+                kv_heads,
+                head_dim,
+                dtype=self._dtype,
+                device=self.device,
+                max_bytes=_slot_budget(self.device),
+            )
 
     @property
     def kernels(self) -> LinearPlan:
@@ -255,8 +269,11 @@ class ModelRunner:
 
     def _use_compiled(self, step: CompiledStep | None) -> None:
         """The compiled-step decision (``compiled.choose_compiled_step``), made before the
-        runner is handed out (``tuning.build_runner``)."""
+        runner is handed out (``tuning.build_runner``). Compiled steps run over a static cache
+        per call, not over slots."""
         self._compiled = step
+        if step is not None:
+            self._pool = None
 
     def _use_head_rows(self, rows: int, always: Sequence[int]) -> None:
         """Project this runner's logits onto the head's first ``rows`` rows, the ``always``
@@ -312,9 +329,22 @@ class ModelRunner:
     @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` can run a token tree: the model's attention takes a custom
-        mask (eager or sdpa)."""
+        mask (eager or sdpa), over ordinary caches (not slots)."""
+        return self._pool is None and self._mask_dtype() != "other"
+
+    def _mask_dtype(self) -> torch.dtype | str | None:
+        """What a custom attention mask is for this model's attention: additive in the
+        model's dtype (eager), boolean (sdpa: None), or "other" (no custom mask)."""
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        return implementation in ("eager", "sdpa")
+        if implementation == "eager":
+            return self._dtype
+        return None if implementation == "sdpa" else "other"
+
+    @property
+    def slots(self) -> SlotPool | None:
+        """The pool of KV slots this runner's calls hold (``slots``), None: each call has an
+        ordinary transformers cache."""
+        return self._pool
 
     def compiler(self) -> CompiledStep:
         """A compiled single-token step for this runner's model (compiled at its first use)."""
@@ -327,6 +357,10 @@ class ModelRunner:
             static = self.compiled.new_cache()
             if static is not None:
                 return static  # type: ignore[return-value]
+        if self._pool is not None:
+            sequence = self._pool.acquire()
+            if sequence is not None:
+                return sequence  # type: ignore[return-value]
         return self._dynamic_cache()
 
     def _dynamic_cache(self) -> DynamicCache:
@@ -337,7 +371,13 @@ class ModelRunner:
 
     def adopt(self, cache: DynamicCache) -> DynamicCache:
         """``cache`` (a kept prefix's private copy) as the kind of cache this runner's calls
-        use: copied into a static one where steps run compiled."""
+        use: copied into a slot, or into a static one where steps run compiled."""
+        if self._pool is not None and self.compiled is None:
+            sequence = self._pool.acquire()
+            if sequence is None:
+                return cache
+            self._pool.fill(sequence, cache)
+            return sequence  # type: ignore[return-value]
         if self.compiled is None:
             return cache
         own = self.new_cache()
@@ -402,6 +442,8 @@ class ModelRunner:
         twin = self.prefill_twin
         if twin is not None and len(input_ids) >= twin.from_rows:
             return self._twin_forward(twin.model, input_ids, cache, keep, vocab)
+        if isinstance(cache, SlotSequence):
+            return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
             if (
@@ -458,24 +500,76 @@ class ModelRunner:
         and appended to ``cache``."""
         length = int(cache.get_seq_length())
         dtype = next(twin.parameters()).dtype
+        held_cache: Any = cache.kept_copy() if isinstance(cache, SlotSequence) else cache
         temp = DynamicCache()
         if length:
-            for index, layer in enumerate(cache.layers):
+            for index, layer in enumerate(held_cache.layers):
                 held: Any = layer
                 temp.update(
                     held.keys[:, :, :length].to(dtype), held.values[:, :, :length].to(dtype), index
                 )
         logits = self._run(twin, input_ids, temp, keep, vocab)
+        if isinstance(cache, SlotSequence):
+            pool, end = cache.pool, length + len(input_ids)
+            pool.ensure(end)
+            for index, layer in enumerate(temp.layers):
+                new: Any = layer
+                pool.keys[index][cache.slot, :, length:end] = new.keys[0, :, length:]
+                pool.values[index][cache.slot, :, length:end] = new.values[0, :, length:]
+            cache.length = end
+            return logits
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
         for index, layer in enumerate(temp.layers):
-            new: Any = layer
+            new = layer
             cache.update(
                 new.keys[:, :, length:].to(self._dtype),
                 new.values[:, :, length:].to(self._dtype),
                 index,
             )
         return logits
+
+    def _slot_forward(
+        self,
+        requests: Sequence[tuple[list[int], SlotSequence]],
+        keeps: Sequence[int | None],
+        vocabs: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """One forward over calls that hold slots of this runner's pool: each row's tokens at
+        its own positions, its new keys and values written into its slot where they belong,
+        attention over the slots in place (``slots.SlotBatch``). Only the rows somebody
+        reads are projected onto the vocabulary."""
+        assert self._pool is not None
+        sequences = [cache for _, cache in requests]
+        counts = [len(tokens) for tokens, _ in requests]
+        widest = max(counts)
+        batch = SlotBatch(self._pool, sequences, widest)
+        ids = torch.zeros(len(requests), widest, dtype=torch.long)
+        for i, (tokens, _) in enumerate(requests):
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask_dtype = self._mask_dtype()
+        mask = batch_mask(
+            batch.starts,
+            counts,
+            widest,
+            batch.kv_length,
+            None if isinstance(mask_dtype, str) else mask_dtype,
+        )
+        inputs = {
+            "input_ids": ids.to(self.device),
+            "attention_mask": mask.to(self.device),
+            "position_ids": batch.position_index,
+            "use_cache": True,
+        }
+        wanted = [
+            (i, count - min(count, k if k is not None else count), count)
+            for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
+        ]
+        with self._planned():
+            logits = self._gathered_logits(inputs, batch, wanted, widest, vocabs)
+        for sequence, count in zip(sequences, counts, strict=True):
+            sequence.length += count
+        return [self._finished(rows) for rows in logits]
 
     @torch.inference_mode()
     def forward_batch(
@@ -536,6 +630,20 @@ class ModelRunner:
                     )
                     out.update(zip(rest, batched, strict=True))
                 return [out[i] for i in range(len(requests))]
+        in_slots = [i for i, (_, cache) in enumerate(requests) if isinstance(cache, SlotSequence)]
+        if in_slots and len(in_slots) < len(requests):  # the pool was full for some calls
+            others = [i for i in range(len(requests)) if i not in in_slots]
+            out = {}
+            for group in (in_slots, others):
+                results = self._forward_batch(
+                    [requests[i] for i in group],
+                    [keeps[i] for i in group],
+                    [call_vocabs[i] for i in group],
+                )
+                out.update(zip(group, results, strict=True))
+            return [out[i] for i in range(len(requests))]
+        if in_slots:
+            return self._slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
             return [
                 self._forward(tokens, cache, k, v)
@@ -603,7 +711,7 @@ class ModelRunner:
     def _gathered_logits(
         self,
         inputs: dict[str, Any],
-        batch_cache: DynamicCache,
+        batch_cache: DynamicCache | SlotBatch,
         wanted: list[tuple[int, int, int]],
         widest: int,
         vocabs: Sequence[torch.Tensor | None],
@@ -623,7 +731,10 @@ class ModelRunner:
                 for (row, start, stop), vocab in zip(wanted, vocabs, strict=True)
             ]
         check = self._gather_checked is None
-        reference_cache = copy.deepcopy(batch_cache) if check else None
+        reference_cache: Any = None
+        if check:  # a slot batch writes the same keys at the same positions again: no copy
+            slots = isinstance(batch_cache, SlotBatch)
+            reference_cache = batch_cache if slots else copy.deepcopy(batch_cache)
         hidden = base(**inputs, **{self._base_cache_kw: batch_cache}).last_hidden_state
         index = torch.tensor(
             [row * widest + j for row, start, stop in wanted for j in range(start, stop)],
@@ -647,6 +758,19 @@ class ModelRunner:
             if not self._gather_checked:
                 pieces = [full[row, start:stop] for row, start, stop in wanted]
         return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
+
+
+def _slot_budget(device: torch.device) -> int | None:
+    """How much memory a runner's slot pool may grow to before new calls get ordinary caches:
+    a quarter of what the machine has available (CUDA: half of the free device memory), None
+    where that is not known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free) // 2
+    from .kernels import available_memory
+
+    available = available_memory()
+    return available // 4 if available else None
 
 
 def decoder_body(model: PreTrainedModel) -> nn.Module | None:

@@ -30,6 +30,7 @@ def build_runner(
     always: Sequence[int] = (),
     compile_steps: bool | None = False,
     store: Any | None = None,
+    slots: bool = True,
 ) -> tuple[ModelRunner, StepChoice | None]:
     """A runner over ``model`` and the compiled-step decision behind it (None: not asked).
 
@@ -37,13 +38,16 @@ def build_runner(
     end-of-sequence ids) where that holds for this model (``head``). ``compile_steps``: None
     measures on CUDA and elsewhere reuses what this machine measured before (compiling a 1.5B
     model takes minutes on a small CPU, for a gain measured there at none); True measures where
-    nothing is recorded; False keeps eager steps."""
+    nothing is recorded; False keeps eager steps. ``slots``: each call's KV in a slot of the
+    runner's pool (``slots.SlotPool``: batched rounds copy no KV), where the model's layers are
+    plain full attention and its steps do not run compiled; False: an ordinary cache per call."""
     runner = ModelRunner(
         model,  # type: ignore[arg-type]
         vocab_size,
         prefill_twin=prefill_twin,
         head_rows=head_rows,
         always=always,
+        slots=slots,
     )
     if compile_steps is False:
         return runner, None

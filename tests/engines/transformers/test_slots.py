@@ -1,0 +1,253 @@
+"""The transformers engine's KV slot pool: calls hold slots of one preallocated buffer per layer,
+batched rounds write each row at its own positions and attend in place. Checked against
+ordinary per-call caches on random models: the same logits through random rounds of ragged
+batches, rollbacks, kept prefixes, released and reused slots, non-consecutive batches, a call
+that outgrows the pool, a full pool, and the runtime's outputs with and without slots."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import random
+
+import pytest
+import torch
+from conftest import make_model
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from specagent import Policy, SpecRuntime
+from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.slots import SlotPool, SlotSequence, batch_mask, slot_shapes
+
+VOCAB = 64
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.fixture(scope="module", params=["llama-sdpa", "llama-eager", "qwen2-gqa"])
+def model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    """A Llama with sdpa (a boolean mask) and with eager attention (an additive one), and a
+    Qwen2 with grouped KV heads and q/k/v biases."""
+    if request.param == "qwen2-gqa":
+        torch.manual_seed(5)
+        config = Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            use_sliding_window=False,
+        )
+        return Qwen2ForCausalLM(config).eval()
+    built = make_model(VOCAB, layers=2, seed=3, hidden=64, max_positions=2048)
+    built.config._attn_implementation = request.param.removeprefix("llama-")
+    return built
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def test_random_ragged_rounds_give_the_logits_of_ordinary_caches(model) -> None:
+    """Eight calls, thirty rounds: each round a random subset feeds 1-5 tokens (or a prompt)
+    in one batched forward, and some roll back what they fed; logits and lengths follow the
+    same calls on ordinary caches exactly."""
+    rng = random.Random(0)
+    plain, slotted = ModelRunner(model), ModelRunner(model, slots=True)
+    assert slotted.slots is not None
+    caches = [(plain.new_cache(), slotted.new_cache()) for _ in range(8)]
+    assert all(isinstance(s, SlotSequence) for _, s in caches)
+    for _round in range(30):
+        chosen = rng.sample(range(8), rng.randrange(1, 9))
+        feeds = [_tokens(rng, rng.choice([1, 2, 3, 5, 40])) for _ in chosen]
+        keeps = [rng.choice([None, 1, 2]) for _ in chosen]
+        pairs = list(zip(feeds, chosen, strict=True))
+        want = plain.forward_batch([(f, caches[i][0]) for f, i in pairs], keeps)
+        got = slotted.forward_batch([(f, caches[i][1]) for f, i in pairs], keeps)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, **TOL)
+        for i in chosen:
+            if rng.random() < 0.4:  # a rejected draft: both roll back
+                drop = rng.randrange(1, 3)
+                for cache in caches[i]:
+                    cache.crop(-drop)
+        for ordinary, slot in caches:
+            assert slot.get_seq_length() == ordinary.get_seq_length()
+
+
+def test_a_kept_prefix_continues_as_the_whole_would(model) -> None:
+    runner = ModelRunner(model, slots=True)
+    prompt = list(range(3, 40))
+    sequence = runner.new_cache()
+    runner.forward(prompt, sequence, keep=1)
+    kept = sequence.kept_copy()
+    assert isinstance(kept, DynamicCache)
+    assert kept.get_seq_length() == len(prompt)
+    adopted = runner.adopt(kept)
+    assert isinstance(adopted, SlotSequence)
+    assert adopted.slot != sequence.slot
+    copied = copy.deepcopy(sequence)
+    assert isinstance(copied, SlotSequence)
+    whole = runner.forward([*prompt, 50, 51], runner.new_cache())[-2:]
+    torch.testing.assert_close(runner.forward([50, 51], adopted), whole, **TOL)
+    torch.testing.assert_close(runner.forward([50, 51], copied), whole, **TOL)
+    torch.testing.assert_close(runner.forward([50, 51], sequence), whole, **TOL)
+
+
+def test_released_slots_are_reused_and_hold_nothing_of_their_last_call(model) -> None:
+    runner = ModelRunner(model, slots=True)
+    pool = runner.slots
+    assert pool is not None
+    first = runner.new_cache()
+    runner.forward(list(range(5, 60)), first, keep=1)
+    slot = first.slot
+    del first
+    gc.collect()
+    again = runner.new_cache()
+    assert again.slot == slot  # the lowest free slot
+    assert again.get_seq_length() == 0
+    fresh = runner.forward([7, 8, 9], again)
+    torch.testing.assert_close(fresh, ModelRunner(model).forward([7, 8, 9], DynamicCache()), **TOL)
+
+
+def test_batches_of_slots_out_of_order_gather_their_rows(model) -> None:
+    """Slots 0 and 2 in one batch (slot 1 released), and in reverse order."""
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    sequences = [runner.new_cache() for _ in range(3)]
+    ordinary = [plain.new_cache() for _ in range(3)]
+    for i, (s, o) in enumerate(zip(sequences, ordinary, strict=True)):
+        prompt = list(range(2 + i, 20 + 3 * i))
+        runner.forward(prompt, s, keep=1)
+        plain.forward(prompt, o, keep=1)
+    del sequences[1], ordinary[1]
+    gc.collect()
+    for order in ([0, 1], [1, 0]):
+        got = runner.forward_batch([([9, 10], sequences[i]) for i in order])
+        want = plain.forward_batch([([9, 10], ordinary[i]) for i in order])
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, **TOL)
+
+
+def test_a_call_that_outgrows_the_pool_continues(model) -> None:
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    short = runner.new_cache()
+    runner.forward([4, 5, 6], short, keep=1)
+    long, reference = runner.new_cache(), DynamicCache()
+    for chunk in range(12):  # 12 x 100 tokens: past the pool's first 256 positions
+        tokens = [(chunk * 100 + j) % (VOCAB - 1) + 1 for j in range(100)]
+        torch.testing.assert_close(
+            runner.forward(tokens, long, keep=1), plain.forward(tokens, reference, keep=1), **TOL
+        )
+    assert runner.slots is not None
+    assert runner.slots.capacity >= 1200
+    # The other call's positions survived the growth.
+    torch.testing.assert_close(
+        runner.forward([7], short), plain.forward([4, 5, 6, 7], DynamicCache())[-1:], **TOL
+    )
+
+
+def test_a_full_pool_hands_out_ordinary_caches_and_mixed_batches_run(model) -> None:
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    assert runner.slots is not None
+    runner.slots.max_bytes = 1  # no room to grow past the first slots
+    held = [runner.new_cache() for _ in range(6)]
+    kinds = {type(cache) for cache in held}
+    assert kinds == {SlotSequence, DynamicCache}
+    prompts = [list(range(3, 10 + i)) for i in range(6)]
+    for prompt, cache in zip(prompts, held, strict=True):
+        runner.forward(prompt, cache, keep=1)
+    got = runner.forward_batch([([11], cache) for cache in held])
+    for prompt, logits in zip(prompts, got, strict=True):
+        want = plain.forward([*prompt, 11], DynamicCache())[-1:]
+        torch.testing.assert_close(logits, want, **TOL)
+
+
+def test_an_idle_pool_goes_back_to_its_first_size() -> None:
+    pool = SlotPool(2, 2, 8, dtype=torch.float32, device=torch.device("cpu"))
+    held = [pool.acquire() for _ in range(9)]
+    assert pool.slots == 16
+    del held
+    gc.collect()
+    assert pool.acquire() is not None
+    assert pool.slots == 4
+
+
+def test_the_mask_lets_each_row_see_its_own_positions_only() -> None:
+    mask = batch_mask([2, 0], [2, 1], 2, 4, None)  # [B, 1, widest, kv]
+    assert mask[0, 0].tolist() == [[True, True, True, False], [True, True, True, True]]
+    # Row 1 fed one token at position 0; its padding query sees what its last real one does.
+    assert mask[1, 0].tolist() == [[True, False, False, False], [True, False, False, False]]
+    additive = batch_mask([1], [1], 1, 3, torch.float32)
+    assert additive[0, 0, 0, 0] == 0
+    assert additive[0, 0, 0, 2] < -1e30
+
+
+def test_models_with_sliding_windows_keep_ordinary_caches() -> None:
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=0,
+    )
+    assert slot_shapes(config) is None
+    runner = ModelRunner(Qwen2ForCausalLM(config).eval(), slots=True)
+    assert runner.slots is None
+    assert isinstance(runner.new_cache(), DynamicCache)
+
+
+@pytest.mark.anyio
+async def test_the_runtime_answers_the_same_with_and_without_slots(
+    target, draft, tokenizer
+) -> None:
+    """Concurrent calls under a draft-model policy and under prompt lookup, greedy and sampled,
+    and a conversation's next turn from a kept prefix: the tokens of ordinary caches."""
+    import anyio
+
+    policies = [
+        Policy(
+            name="chat",
+            description="draft model",
+            mode="lossless",
+            drafter={"kind": "draft_model", "num_speculative_tokens": 4},
+        ),
+        Policy(
+            name="lookup",
+            description="prompt lookup",
+            mode="lossless",
+            drafter={"kind": "prompt_lookup", "num_speculative_tokens": 5},
+        ),
+    ]
+
+    async def answers(rt: SpecRuntime) -> list[list[int]]:
+        out: dict[int, list[int]] = {}
+        async with rt:
+
+            async def one(i: int) -> None:
+                prompt = tokenizer.encode(f"Hello world {i}, hello there, hello world {i}")
+                result = await rt.generate(
+                    prompt,
+                    policy=["chat", "lookup"][i % 2],
+                    max_new_tokens=20,
+                    temperature=0.0 if i % 3 else 0.8,
+                    seed=i,
+                    tenant="t",
+                )
+                out[i] = result.token_ids
+
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one, i)
+            follow = [*tokenizer.encode("Hello world 0, hello there, hello world 0"), *out[0]]
+            again = await rt.generate(follow, policy="chat", max_new_tokens=12, tenant="t")
+            assert again.usage.cached_input_tokens > 0
+            out[8] = again.token_ids
+        return [out[i] for i in range(9)]
+
+    with_slots = SpecRuntime(target, draft, tokenizer, policies, "cpu")
+    without = SpecRuntime(target, draft, tokenizer, policies, "cpu", kv_slots=False)
+    assert await answers(with_slots) == await answers(without)
