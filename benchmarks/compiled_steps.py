@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specagent import Policy, SpecRuntime
 from specagent.bench import PROMPTS, baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
+from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.compiled import STATIC_TOKENS, choose_compiled_step
+from specagent.machine import ProbeStore
 
 POLICY = Policy(
     name="lossless-draft_model",
@@ -50,30 +53,32 @@ def main() -> None:
         args.target, args.draft, policies=[POLICY], compile_steps=False
     )
     steps: dict[str, Any] = {}
-    for role, runner in (
-        ("target", eager._engine.target_runner),
-        ("draft", eager._engine.draft_runner),
-    ):
-        assert runner is not None
+    vocab = eager.vocab_size
+    for role, model in (("target", eager.target), ("draft", eager.draft)):
         for context in (64, 1024):
+            # The measurement choose_compiled_step makes at load, on a runner of its own.
+            runner = ModelRunner(model, vocab_size=vocab)
             choice = choose_compiled_step(runner, key="", store=None, context_tokens=context)
             steps[f"{role}, {context}-token context"] = choice.to_json()
             print(role, context, choice.reason, f"(compiled in {choice.compile_seconds} s)")
-        runner.compiled = None  # the eager runtime stays eager
 
+    # A runtime built as on a machine that recorded compiled steps as faster (forced here, to
+    # see what they would do end to end).
+    recorded = ProbeStore(Path(tempfile.mkdtemp()))
+    # (The eager runtime's runners name the keys the engine looks up for these models.)
+    for runner in (eager._engine.target_runner, eager._engine.draft_runner):
+        assert runner is not None
+        key = runner.speed_key()
+        recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})
     compiled = SpecRuntime(
         eager.target,
         eager.draft,
         eager.tokenizer,
         policies=[POLICY],
         device=eager.device,
-        probe_store=eager.probe_store,
-        compile_steps=False,
+        probe_store=recorded,
     )
-    for runner in (compiled._engine.target_runner, compiled._engine.draft_runner):
-        assert runner is not None
-        runner.compiled = runner.compiler()
-    compiled._engine.use_costs(compiled._engine.costs)  # its curve: relative to compiled steps
+    assert all(choice["compiled"] for choice in compiled.compiled_steps.values())
 
     plain = baseline_methods(eager, args.max_new_tokens)["plain"]
     names = args.prompts or list(PROMPTS)

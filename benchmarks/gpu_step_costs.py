@@ -299,8 +299,11 @@ def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> d
     schedule = FixedSchedule(4)
     results = {}
     for mode in ("eager", "compiled"):
-        for runner in runners.values():
-            runner.compiled = runner.compiler() if mode == "compiled" else None
+        # A pair of runners per mode, as an engine builds them with and without the decision.
+        runners = {"target": ModelRunner(target), "draft": ModelRunner(draft, vocab_size=vocab)}
+        if mode == "compiled":
+            for runner in runners.values():
+                runner._use_compiled(runner.compiler())  # the decision, forced for the experiment
         warm = DraftModelDrafter(runners["draft"])
         spec_generate(runners["target"], ids, new, warm, schedule)  # warm-up (compiles)
         sync(device)

@@ -26,10 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.bench import write_result
 from specagent.catalog import resolve_model
-from specagent.decoding.costs import forward_timer
 from specagent.decoding.engine import crop_to
 from specagent.engines.transformers import ModelRunner
-from specagent.engines.transformers.kernels import LinearPlan, PackedWeights, choose_kernels
+from specagent.engines.transformers.kernels import LinearPlan, PackedWeights
 
 
 def main() -> None:
@@ -49,10 +48,10 @@ def main() -> None:
     path = resolve_model(args.target)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
     runner = ModelRunner(model)
-    runner.packed = PackedWeights.of(model)
+    packed = PackedWeights.of(model)
     forms: dict[str, Any] = {"torch": lambda n: LinearPlan()}
     forms["transposed"] = lambda n: LinearPlan(transposed_rows=frozenset({n}))
-    if runner.packed is not None:
+    if packed is not None:
         forms["packed"] = lambda n: LinearPlan(packed_rows=frozenset({n}))
 
     vocab = runner.vocab_size
@@ -67,9 +66,10 @@ def main() -> None:
         reference = None
         for repeat in range(args.repeats + 1):  # the first pass warms each form up
             for name, plan_of in forms.items():
-                runner.kernels = plan_of(n)
+                # A runner per form (the engine fixes a runner's plan): same model, same cache.
+                planned = ModelRunner(model, kernels=plan_of(n), packed=packed)
                 start = time.perf_counter()
-                logits = runner.forward(rows, cache)
+                logits = planned.forward(rows, cache)
                 elapsed = time.perf_counter() - start
                 crop_to(cache, args.context)
                 if repeat:
@@ -84,16 +84,20 @@ def main() -> None:
         line = "  ".join(f"{name} {seconds[name][n]:.3f}" for name in forms)
         print(f"{n:3d} rows: {line}", flush=True)
 
-    plan, chosen = choose_kernels(
-        forward_timer(runner, context_tokens=args.context, repeats=2),
-        args.lengths,
-        packed=runner.packed is not None,
-    )
+    chooser = ModelRunner(model)  # what a runtime's first cost measurement settles
+    tuning = chooser.tune(args.lengths, context_tokens=args.context, prefill_lengths=())
+    while True:
+        try:
+            next(tuning)
+        except StopIteration as done:
+            chosen: dict[int, float] = done.value
+            break
+    plan = chooser.kernels
     result = {
         "target": args.target,
         "dtype": args.dtype,
         "context_tokens": args.context,
-        "packed_bytes": runner.packed.nbytes if runner.packed is not None else None,
+        "packed_bytes": packed.nbytes if packed is not None else None,
         "forward_seconds": seconds,
         "relative_to_torch_single_token": {
             name: {n: round(t / seconds["torch"][args.lengths[0]], 3) for n, t in times.items()}

@@ -202,6 +202,10 @@ def keep_path(cache: object, start: int, path: list[int]) -> None:
     """After a tree forward that wrote its rows from position ``start`` (the root), keep the KV
     of the root and the accepted ``path`` (nodes), moved to follow one another, and drop the
     rest."""
+    own = getattr(cache, "keep_path", None)
+    if own is not None:  # an engine whose sequences move their own rows (KV slots)
+        own(start, path)
+        return
     rows = [start + 1 + node for node in path]
     if rows != list(range(start + 1, start + 1 + len(rows))):
         index = torch.tensor(rows, dtype=torch.long)

@@ -99,6 +99,7 @@ class ModelRunner:
         vocab_size: int | None = None,
         *,
         kernels: LinearPlan | None = None,
+        packed: PackedWeights | None = None,
         prefill_twin: PrefillTwin | None = None,
         head_rows: int | None = None,
         always: Sequence[int] = (),
@@ -115,7 +116,7 @@ class ModelRunner:
             m for each in [model, *twin] for m in each.modules() if type(m) is nn.Linear
         )
         """The models' linear modules, which the kernel plan reroutes (``_planned``)."""
-        self._packed: PackedWeights | None = None
+        self._packed: PackedWeights | None = packed if self._kernels.packed_rows else None
         params = _forward_params(type(model))  # type: ignore[arg-type]
         self._cache_kw = cache_keyword(type(model))
         self._has_logits_to_keep = "logits_to_keep" in params
@@ -329,8 +330,8 @@ class ModelRunner:
     @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` can run a token tree: the model's attention takes a custom
-        mask (eager or sdpa), over ordinary caches (not slots)."""
-        return self._pool is None and self._mask_dtype() != "other"
+        mask (eager or sdpa)."""
+        return self._mask_dtype() != "other"
 
     def _mask_dtype(self) -> torch.dtype | str | None:
         """What a custom attention mask is for this model's attention: additive in the
@@ -412,6 +413,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         if len(parents) != len(input_ids):
             raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
+        if isinstance(cache, SlotSequence):
+            return self._slot_tree_forward(input_ids, cache, parents)
         length = int(cache.get_seq_length())
         width = length + len(input_ids)
         if is_static(cache):
@@ -431,6 +434,29 @@ class ModelRunner:
         }
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         return self._finished(self.model(input_ids=ids, **kwargs).logits[0])
+
+    def _slot_tree_forward(
+        self, input_ids: list[int], cache: SlotSequence, parents: list[int]
+    ) -> torch.Tensor:
+        """A token tree after a slot: its rows written at the slot's next positions, each at
+        its depth's position for the rotary embedding, seeing the slot's positions and its own
+        ancestors (``tree.tree_mask``); ``SlotSequence.keep_path`` keeps the accepted path."""
+        assert self._pool is not None
+        length, rows = cache.length, len(input_ids)
+        batch = SlotBatch(self._pool, [cache], rows)
+        mask_dtype = self._mask_dtype()
+        mask = tree_mask(parents, length, None if isinstance(mask_dtype, str) else mask_dtype)
+        depths = row_depths(parents)
+        kwargs: dict[str, Any] = {
+            self._cache_kw: batch,
+            "use_cache": True,
+            "attention_mask": mask.to(self.device),
+            "position_ids": torch.tensor([[length + d for d in depths]], device=self.device),
+        }
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, **kwargs).logits[0]
+        cache.length += rows
+        return self._finished(logits)
 
     def _forward(
         self,

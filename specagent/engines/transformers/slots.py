@@ -200,6 +200,17 @@ class SlotSequence:
     def kept_copy(self) -> DynamicCache:
         return self.pool.copy_of(self, self.length)
 
+    def keep_path(self, start: int, path: list[int]) -> None:
+        """After a token tree written from position ``start`` (its root), keep the root and
+        the accepted ``path`` (nodes), moved to follow one another (``tree.keep_path``)."""
+        rows = [start + 1 + node for node in path]
+        if rows != list(range(start + 1, start + 1 + len(rows))):
+            index = torch.tensor(rows, dtype=torch.long, device=self.pool.device)
+            for held in (*self.pool.keys, *self.pool.values):
+                moved = held[self.slot, :, index]
+                held[self.slot, :, start + 1 : start + 1 + len(rows)] = moved
+        self.crop(start + 1 + len(rows))
+
     def __deepcopy__(self, memo: dict[int, Any]) -> SlotSequence:
         twin = self.pool.acquire()
         if twin is None:  # the pool is full: an ordinary copy serves as well

@@ -251,3 +251,26 @@ async def test_the_runtime_answers_the_same_with_and_without_slots(
     with_slots = SpecRuntime(target, draft, tokenizer, policies, "cpu")
     without = SpecRuntime(target, draft, tokenizer, policies, "cpu", kv_slots=False)
     assert await answers(with_slots) == await answers(without)
+
+
+def test_a_token_tree_over_a_slot_gives_the_logits_and_kept_path_of_an_ordinary_cache(
+    model,
+) -> None:
+    from specagent.decoding.tree import keep_path
+
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    assert runner.takes_trees
+    prompt = list(range(3, 30))
+    slot, ordinary = runner.new_cache(), plain.new_cache()
+    runner.forward(prompt, slot, keep=1)
+    plain.forward(prompt, ordinary, keep=1)
+    # root 40; two branches: 41 -> 42 and 43 -> 44
+    tokens, parents = [40, 41, 42, 43, 44], [-1, 0, 1, 0, 3]
+    got = runner.forward(tokens, slot, tree=parents)
+    want = plain.forward(tokens, ordinary, tree=parents)
+    torch.testing.assert_close(got, want, **TOL)
+    start = len(prompt)
+    for cache in (slot, ordinary):
+        keep_path(cache, start, [2, 3])  # the second branch: nodes 43, 44 (rows 3, 4)
+    assert slot.get_seq_length() == ordinary.get_seq_length() == start + 3
+    torch.testing.assert_close(runner.forward([45], slot), plain.forward([45], ordinary), **TOL)
