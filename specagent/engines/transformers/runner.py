@@ -414,7 +414,8 @@ class ModelRunner:
         if len(parents) != len(input_ids):
             raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
         if isinstance(cache, SlotSequence):
-            return self._slot_tree_forward(input_ids, cache, parents)
+            with cache.pool.lock:
+                return self._slot_tree_forward(input_ids, cache, parents)
         length = int(cache.get_seq_length())
         width = length + len(input_ids)
         if is_static(cache):
@@ -469,7 +470,8 @@ class ModelRunner:
         if twin is not None and len(input_ids) >= twin.from_rows:
             return self._twin_forward(twin.model, input_ids, cache, keep, vocab)
         if isinstance(cache, SlotSequence):
-            return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
+            with cache.pool.lock:
+                return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
             if (
@@ -537,11 +539,12 @@ class ModelRunner:
         logits = self._run(twin, input_ids, temp, keep, vocab)
         if isinstance(cache, SlotSequence):
             pool, end = cache.pool, length + len(input_ids)
-            pool.ensure(end)
-            for index, layer in enumerate(temp.layers):
-                new: Any = layer
-                pool.keys[index][cache.slot, :, length:end] = new.keys[0, :, length:]
-                pool.values[index][cache.slot, :, length:end] = new.values[0, :, length:]
+            with pool.lock:
+                pool.ensure(end)
+                for index, layer in enumerate(temp.layers):
+                    new: Any = layer
+                    pool.keys[index][cache.slot, :, length:end] = new.keys[0, :, length:]
+                    pool.values[index][cache.slot, :, length:end] = new.values[0, :, length:]
             cache.length = end
             return logits
         if is_static(cache):
@@ -564,7 +567,7 @@ class ModelRunner:
         """One forward over calls that hold slots of this runner's pool: each row's tokens at
         its own positions, its new keys and values written into its slot where they belong,
         attention over the slots in place (``slots.SlotBatch``). Only the rows somebody
-        reads are projected onto the vocabulary."""
+        reads are projected onto the vocabulary. The caller holds the pool's ``lock``."""
         assert self._pool is not None
         sequences = [cache for _, cache in requests]
         counts = [len(tokens) for tokens, _ in requests]
@@ -669,7 +672,9 @@ class ModelRunner:
                 out.update(zip(group, results, strict=True))
             return [out[i] for i in range(len(requests))]
         if in_slots:
-            return self._slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
+            assert self._pool is not None
+            with self._pool.lock:
+                return self._slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
             return [
                 self._forward(tokens, cache, k, v)

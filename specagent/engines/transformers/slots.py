@@ -84,7 +84,10 @@ class SlotPool:
         self.values: list[torch.Tensor] = []
         self._in_use: set[int] = set()
         self._released: collections.deque[int] = collections.deque()
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
+        """Held by whatever reads or writes the buffers (a forward over slots included): two
+        runtimes may share one model, each from its own worker thread, and a reallocation in
+        one must not swap the buffers under the other's forward."""
 
     @property
     def slots(self) -> int:
@@ -117,7 +120,7 @@ class SlotPool:
         free); None when doubling would pass ``max_bytes``. A pool with no slot in use that a
         burst grew goes back to its first size first: its memory returns between bursts."""
         self._reap()
-        with self._lock:
+        with self.lock:
             if not self._in_use and (self.slots, self.capacity) != self._initial:
                 self.keys, self.values = [], []  # idle, or never used: its first size
                 self._allocate(*self._initial)
@@ -132,20 +135,21 @@ class SlotPool:
 
     def ensure(self, length: int) -> None:
         """Room for ``length`` positions in every slot."""
-        if not self.keys:
-            self._allocate(*self._initial)
-        if length > self.capacity:
-            capacity = max(self.capacity, 1)
-            while capacity < length:
-                capacity *= 2
-            self._allocate(self.slots, capacity)
+        with self.lock:
+            if not self.keys:
+                self._allocate(*self._initial)
+            if length > self.capacity:
+                capacity = max(self.capacity, 1)
+                while capacity < length:
+                    capacity *= 2
+                self._allocate(self.slots, capacity)
 
     def _release(self, slot: int) -> None:
         """Queued: a sequence may be dropped on any thread, inside any forward."""
         self._released.append(slot)
 
     def _reap(self) -> None:
-        with self._lock:
+        with self.lock:
             while self._released:
                 self._in_use.discard(self._released.popleft())
 
@@ -159,21 +163,23 @@ class SlotPool:
         length = int(source.get_seq_length())
         if length == 0:
             return
-        self.ensure(length)
-        for index, layer in enumerate(source.layers):
-            held: Any = layer
-            self.keys[index][sequence.slot, :, :length] = held.keys[0, :, :length]
-            self.values[index][sequence.slot, :, :length] = held.values[0, :, :length]
+        with self.lock:
+            self.ensure(length)
+            for index, layer in enumerate(source.layers):
+                held: Any = layer
+                self.keys[index][sequence.slot, :, :length] = held.keys[0, :, :length]
+                self.values[index][sequence.slot, :, :length] = held.values[0, :, :length]
         sequence.length = length
 
     def copy_of(self, sequence: SlotSequence, length: int) -> DynamicCache:
         """An ordinary cache holding a copy of a slot's first ``length`` positions."""
         out = DynamicCache()
         if length:
-            for index in range(self.layers):
-                keys = self.keys[index][sequence.slot : sequence.slot + 1, :, :length]
-                values = self.values[index][sequence.slot : sequence.slot + 1, :, :length]
-                out.update(keys.clone(), values.clone(), index)
+            with self.lock:
+                for index in range(self.layers):
+                    keys = self.keys[index][sequence.slot : sequence.slot + 1, :, :length]
+                    values = self.values[index][sequence.slot : sequence.slot + 1, :, :length]
+                    out.update(keys.clone(), values.clone(), index)
         return out
 
 
@@ -206,17 +212,18 @@ class SlotSequence:
         rows = [start + 1 + node for node in path]
         if rows != list(range(start + 1, start + 1 + len(rows))):
             index = torch.tensor(rows, dtype=torch.long, device=self.pool.device)
-            for held in (*self.pool.keys, *self.pool.values):
-                moved = held[self.slot, :, index]
-                held[self.slot, :, start + 1 : start + 1 + len(rows)] = moved
+            with self.pool.lock:
+                for held in (*self.pool.keys, *self.pool.values):
+                    moved = held[self.slot, :, index]
+                    held[self.slot, :, start + 1 : start + 1 + len(rows)] = moved
         self.crop(start + 1 + len(rows))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SlotSequence:
         twin = self.pool.acquire()
         if twin is None:  # the pool is full: an ordinary copy serves as well
             return self.kept_copy()  # type: ignore[return-value]
-        for index in range(self.pool.layers):
-            for held in (self.pool.keys[index], self.pool.values[index]):
+        with self.pool.lock:
+            for held in (*self.pool.keys, *self.pool.values):
                 held[twin.slot, :, : self.length] = held[self.slot, :, : self.length]
         twin.length = self.length
         return twin

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import random
+import threading
 
 import pytest
 import torch
@@ -161,6 +162,35 @@ def test_a_full_pool_hands_out_ordinary_caches_and_mixed_batches_run(model) -> N
     for prompt, logits in zip(prompts, got, strict=True):
         want = plain.forward([*prompt, 11], DynamicCache())[-1:]
         torch.testing.assert_close(logits, want, **TOL)
+
+
+def test_two_threads_over_one_pool_each_get_their_own_logits(model) -> None:
+    """Two runtimes may share one model, each stepping from its own worker thread: while one
+    grows the pool (more slots, more positions) or shrinks it back when idle, the other's
+    forward must neither write into buffers about to be replaced nor index a smaller pool."""
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    failures: list[BaseException] = []
+
+    def calls(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(12):
+                held = [runner.new_cache() for _ in range(rng.randrange(1, 7))]
+                for cache in held:
+                    prompt = _tokens(rng, rng.choice([3, 90, 300]))
+                    got = runner.forward(prompt, cache, keep=1)
+                    want = plain.forward(prompt, DynamicCache(), keep=1)
+                    torch.testing.assert_close(got, want, **TOL)
+                del held
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=calls, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[0]
 
 
 def test_an_idle_pool_goes_back_to_its_first_size() -> None:
