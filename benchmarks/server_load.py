@@ -10,6 +10,10 @@
 2. Concurrency: ``--clients`` streaming clients at once (SSE), each client's time to first
    content chunk (p50/p95) and the wall time, and whether every response equals the same call
    alone (greedy). Only localhost traffic; every loop is bounded.
+3. The dashboard's cost: rounds of ``--clients`` concurrent streams against two servers, one
+   with ``/dashboard`` and a browser's poll of its data every second, one started with
+   ``--no-dashboard``, alternating (ABBA); the medians of each round's wall time and mean call
+   time, and their ratio.
 
 Writes ``benchmarks/results/server-load_tiny_<machine kind>.json`` with the machine it ran on.
 """
@@ -55,7 +59,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_server(
-    model_dir: Path, cache: Path, keys: str = f"bench={KEY}"
+    model_dir: Path, cache: Path, keys: str = f"bench={KEY}", extra: tuple[str, ...] = ()
 ) -> tuple[str, subprocess.Popen]:
     """``specagent serve`` in its own process, as it is deployed (a client in the same process
     would share the GIL with it and measure thread hand-offs, not the server)."""
@@ -65,7 +69,7 @@ def start_server(
     env = {**os.environ, "SPECAGENT_API_KEYS": keys, "SPECAGENT_CACHE": str(cache)}
     command = [sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir)]
     process = subprocess.Popen(
-        [*command, "--port", str(port), "--dtype", "float32"],
+        [*command, "--port", str(port), "--dtype", "float32", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -119,14 +123,13 @@ async def overhead(runtime: SpecRuntime, url: str, calls: int, tokens: int) -> d
     }
 
 
-async def concurrent_streams(
-    runtime: SpecRuntime, url: str, clients: int, tokens: int
-) -> dict[str, Any]:
-    alone = [
-        (await runtime.generate(messages(i), max_new_tokens=tokens, temperature=0)).text
-        for i in range(clients)
-    ]
+async def streams(
+    url: str, model: str, clients: int, tokens: int
+) -> tuple[float, dict[int, float], dict[int, float], dict[int, str]]:
+    """``clients`` streaming calls at once: the wall time, and per call its time to the first
+    content chunk, its whole time and its text."""
     ttft: dict[int, float] = {}
+    took: dict[int, float] = {}
     texts: dict[int, str] = {}
     limits = httpx.Limits(max_connections=clients + 8)
     async with httpx.AsyncClient(
@@ -135,7 +138,7 @@ async def concurrent_streams(
 
         async def one(i: int) -> None:
             body = {
-                "model": runtime.model_name,
+                "model": model,
                 "messages": messages(i),
                 "max_tokens": tokens,
                 "temperature": 0,
@@ -152,6 +155,7 @@ async def concurrent_streams(
                     if text and i not in ttft:
                         ttft[i] = time.perf_counter() - start
                     parts.append(text or "")
+            took[i] = time.perf_counter() - start
             texts[i] = "".join(parts)
 
         start = time.perf_counter()
@@ -160,6 +164,17 @@ async def concurrent_streams(
                 for i in range(clients):
                     group.start_soon(one, i)
         wall = time.perf_counter() - start
+    return wall, ttft, took, texts
+
+
+async def concurrent_streams(
+    runtime: SpecRuntime, url: str, clients: int, tokens: int
+) -> dict[str, Any]:
+    alone = [
+        (await runtime.generate(messages(i), max_new_tokens=tokens, temperature=0)).text
+        for i in range(clients)
+    ]
+    wall, ttft, _, texts = await streams(url, runtime.model_name, clients, tokens)
     values = list(ttft.values())
     return {
         "clients": clients,
@@ -170,6 +185,65 @@ async def concurrent_streams(
         "complete": len(texts) == clients,
         "equal_to_alone": sum(texts.get(i) == alone[i] for i in range(clients)),
         "server_ready_after": httpx.get(f"{url}/ready", timeout=5).json(),
+    }
+
+
+async def dashboard_cost(
+    model: str, with_page: str, without: str, clients: int, tokens: int, rounds: int
+) -> dict[str, Any]:
+    """Rounds of concurrent streams on the server with the dashboard (its data polled every
+    second, as an open page does) and on the one without, in ABBA order."""
+    walls: dict[str, list[float]] = {"dashboard": [], "none": []}
+    calls: dict[str, list[float]] = {"dashboard": [], "none": []}
+    page_ms: list[float] = []  # the page and its first data, as a browser opening it
+    data_ms: list[float] = []  # each later poll
+
+    async def poll(stop: anyio.Event) -> None:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with httpx.AsyncClient(base_url=with_page, headers=headers, timeout=30) as client:
+            start = time.perf_counter()
+            assert (await client.get("/dashboard")).status_code == 200
+            first = True
+            while not stop.is_set():
+                asked = time.perf_counter()
+                response = await client.get("/dashboard/data", params={"window": "5m"})
+                assert response.status_code == 200, response.text
+                now = time.perf_counter()
+                if first:
+                    page_ms.append(1000 * (now - start))
+                    first = False
+                else:
+                    data_ms.append(1000 * (now - asked))
+                with anyio.move_on_after(1.0):
+                    await stop.wait()
+
+    for r in range(rounds):
+        for which in ("dashboard", "none") if r % 4 in (0, 3) else ("none", "dashboard"):
+            stop = anyio.Event()
+            async with anyio.create_task_group() as group:
+                if which == "dashboard":
+                    group.start_soon(poll, stop)
+                url = with_page if which == "dashboard" else without
+                wall, _, took, texts = await streams(url, model, clients, tokens)
+                stop.set()
+            assert len(texts) == clients
+            walls[which].append(wall)
+            calls[which].append(statistics.mean(took.values()))
+    wall_on, wall_off = statistics.median(walls["dashboard"]), statistics.median(walls["none"])
+    call_on, call_off = statistics.median(calls["dashboard"]), statistics.median(calls["none"])
+    return {
+        "clients": clients,
+        "max_tokens": tokens,
+        "rounds": rounds,
+        "page_load_ms_under_load": {"p50": statistics.median(page_ms), "max": max(page_ms)},
+        "data_poll_ms_under_load": {
+            "p50": statistics.median(data_ms) if data_ms else None,
+            "max": max(data_ms, default=None),
+            "polls": len(data_ms),
+        },
+        "wall_s": {"dashboard": wall_on, "none": wall_off, "ratio": wall_on / wall_off},
+        "mean_call_s": {"dashboard": call_on, "none": call_off, "ratio": call_on / call_off},
+        "rounds_wall_s": walls,
     }
 
 
@@ -190,6 +264,12 @@ def main() -> None:
         type=int,
         default=1,
         help="max_tokens per call when measuring overhead (short: the server's share shows)",
+    )
+    parser.add_argument(
+        "--dashboard-rounds",
+        type=int,
+        default=8,
+        help="rounds per server for the dashboard's cost (0: leave it out)",
     )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -221,6 +301,22 @@ def main() -> None:
                 concurrent_streams, runtime, url, args.clients, args.tokens
             )
             print(json.dumps(report["concurrency"], indent=1), flush=True)
+            if args.dashboard_rounds:
+                bare, bare_server = start_server(model_dir, Path(tmp), extra=("--no-dashboard",))
+                try:
+                    report["dashboard"] = anyio.run(
+                        dashboard_cost,
+                        runtime.model_name,
+                        url,
+                        bare,
+                        args.clients,
+                        args.tokens,
+                        args.dashboard_rounds,
+                    )
+                finally:
+                    bare_server.send_signal(signal.SIGTERM)
+                    bare_server.wait(60)
+                print(json.dumps(report["dashboard"], indent=1), flush=True)
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(60)

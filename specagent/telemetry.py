@@ -180,6 +180,16 @@ class Telemetry:
             description="Mean TV distance from the target distribution per token (relaxed calls)",
             explicit_bucket_boundaries_advisory=_DIVERGENCE_BUCKETS,
         )
+        self.accepted_tokens = meter.create_counter(
+            "specagent.spec_decode.accepted_tokens",
+            unit="{token}",
+            description="Accepted draft tokens, by where the draft came from",
+        )
+        self.fallbacks = meter.create_counter(
+            "specagent.fallbacks",
+            unit="{call}",
+            description="Relaxed calls whose divergence budget made them finish losslessly",
+        )
         if self.latest:
             self._latest_instruments(meter)
 
@@ -357,8 +367,12 @@ class Telemetry:
             self.acceptance.record(stats.acceptance_rate, attrs)
         if stats.mean_acceptance_length:
             self.acceptance_length.record(stats.mean_acceptance_length, attrs)
+        for source, accepted in sorted(stats.accepted_by_source.items()):
+            if accepted:
+                self.accepted_tokens.add(accepted, {**attrs, "specagent.draft.source": source})
         if stats.divergence is not None:
             self.divergence.record(stats.divergence, attrs)
+            self.fallbacks.add(int(bool(stats.fell_back_to_lossless)), attrs)
         if self.latest:
             response = {**attrs, "gen_ai.response.model": self.model_name}
             tokens = {**response, "gen_ai.token.modality": "text"}

@@ -165,6 +165,8 @@ def _serve(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             max_concurrent=args.max_concurrent,
             metrics_public=args.metrics_public,
+            reports_dir=args.reports,
+            dashboard=args.dashboard,
         ),
         drain_seconds=args.drain_seconds,
         dtype=args.dtype,
@@ -368,7 +370,8 @@ def _eval(args: argparse.Namespace) -> int:
     print(report.table())
     stem = args.name or f"eval_{Path(report.target).name}_{machine_kind()}"
     json_path, png_path = report.save(args.out, stem)
-    print(f"wrote {json_path} and {png_path}")
+    page = json_path.with_suffix(".html")
+    print(f"wrote {json_path}, {png_path} and {page} (`specagent serve --reports {args.out}`)")
     runtime.close()
     return 0
 

@@ -250,6 +250,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics without a key (default: a key that may use every policy)",
     )
     serve.add_argument(
+        "--reports",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a directory of `specagent eval` HTML reports that /dashboard links to",
+    )
+    serve.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="do not serve /dashboard and its data",
+    )
+    serve.add_argument(
         "--max-queue", type=int, default=256, help="calls waiting beyond this get 429"
     )
     serve.add_argument(

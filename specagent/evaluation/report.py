@@ -143,11 +143,78 @@ class EvalReport:
         return "\n".join(lines)
 
     def save(self, out_dir: Path, stem: str) -> tuple[Path, Path]:
+        """JSON, the PNG chart and a self-contained HTML report (``stem.html``: the chart
+        embedded, a table per setting; what ``specagent serve --reports DIR`` links from
+        its dashboard)."""
         out_dir.mkdir(parents=True, exist_ok=True)
         json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
         json_path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
         write_chart(self, png_path)
+        (out_dir / f"{stem}.html").write_text(self.html(png_path.read_bytes()), encoding="utf-8")
         return json_path, png_path
+
+    def html(self, chart_png: bytes) -> str:
+        """The report as one HTML page: what was compared, the chart, and per setting its
+        overall numbers and a row per prompt (prompt ids and numbers; no output text)."""
+        import base64
+        import html
+
+        columns = [
+            ("divergence", "divergence", 4),
+            ("similarity", "similarity", 3),
+            ("similarity_floor", "noise floor", 3),
+            ("rouge_l", "ROUGE-L", 3),
+            ("rouge_l_floor", "ROUGE-L floor", 3),
+            ("speed_ratio", "speed (measured)", 2),
+            ("modelled_speed_ratio", "speed (modelled)", 2),
+            ("acceptance_rate", "acceptance", 2),
+            ("twin_acceptance_rate", "lossless acceptance", 2),
+            ("fell_back", "fallbacks", 0),
+        ]
+
+        def cells(values: dict[str, Any]) -> str:
+            out = []
+            for key, _, digits in columns:
+                value = values.get(key)
+                shown = "–" if value is None else f"{float(value):.{digits}f}"
+                out.append(f"<td>{shown}</td>")
+            return "".join(out)
+
+        head = "".join(f"<th>{html.escape(label)}</th>" for _, label, _ in columns)
+        sections = []
+        for setting in self.settings:
+            rows = [
+                f"<tr><td>{html.escape(score.prompt)}</td>{cells(asdict(score))}</tr>"
+                for score in setting.prompts
+            ]
+            overall = setting.overall()
+            rows.append(f"<tr class='overall'><td>overall</td>{cells(overall)}</tr>")
+            sections.append(
+                f"<h2>{html.escape(setting.label)}</h2><table><thead><tr><th>prompt</th>"
+                f"{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            )
+        chart = base64.b64encode(chart_png).decode("ascii")
+        title = f"specagent eval: {self.target} (draft: {self.draft})"
+        return (
+            "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title><style>"
+            "body{font:14px/1.45 system-ui,sans-serif;margin:22px;color:#1d2330}"
+            "table{border-collapse:collapse;margin-bottom:18px}"
+            "th,td{padding:5px 8px;border-bottom:1px solid #e5e7eb;text-align:right}"
+            "th:first-child,td:first-child{text-align:left}th{background:#f1f5f9;font-size:12px}"
+            "tr.overall td{font-weight:600}img{max-width:100%}"
+            "</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>"
+            f"<p>Device {html.escape(self.device)}, prompt set "
+            f"{html.escape(self.prompt_set)}. Each relaxed setting against its lossless twin "
+            "(same model, drafter, k, sampling and seeds): divergence is the exact mean TV "
+            "distance per token; similarity the MiniLM cosine of the outputs to the twin's, "
+            "beside the floor of twin against twin across seeds; speed the tokens/s over the "
+            "twin's.</p>"
+            f"<img alt='speed against divergence and similarity' "
+            f"src='data:image/png;base64,{chart}'>"
+            f"{''.join(sections)}</body></html>"
+        )
 
 
 def _mean(values: Any) -> float:

@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``,
 ``GET /health`` (the process answers), ``GET /ready`` (models loaded, step costs measured, not
-draining) and ``GET /metrics`` (Prometheus text from the runtime's OpenTelemetry instruments).
+draining), ``GET /metrics`` (Prometheus text from the runtime's OpenTelemetry instruments) and
+``GET /dashboard`` with its data (``specagent.server.dashboard``: each policy's speed,
+acceptance and relaxed divergence over a window, numbers only).
 
 Each call: key (401), body size (413), fields (422, naming the field), policy by precedence
 (``metadata.specagent_policy``, the ``X-Specagent-Policy`` header, ``<model>:<policy>``, then
@@ -19,13 +21,15 @@ import inspect
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
@@ -41,6 +45,7 @@ from ..errors import (
     RuntimeOverloadedError,
     SpecAgentError,
 )
+from .dashboard import WINDOWS, CallLog, CallRecord, dashboard_page, list_reports, summarise
 from .keys import ApiKey, KeyStore
 from .limits import Limited, Limits
 from .wire import (
@@ -83,6 +88,11 @@ class ServerOptions:
     none."""
     max_concurrent: int | None = 64
     """Calls in flight per key, for keys that set no ``max_concurrent`` of their own."""
+    dashboard: bool = True
+    """Serve ``/dashboard`` and its data (numbers per policy, behind the key check)."""
+    reports_dir: Path | None = None
+    """Where ``specagent eval`` wrote its HTML reports: the dashboard links them (for a key
+    that may use every policy)."""
 
 
 class _Draining:
@@ -123,9 +133,19 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     app = FastAPI(title="specagent", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend, app.state.keys, app.state.limits = backend, keys, limits
     app.state.draining = draining
+    calls = CallLog()
+    app.state.calls = calls
+
+    def refused(request: Request, status: int) -> None:
+        """A chat call answered with an error: counted under its policy where it was known."""
+        if request.url.path == "/v1/chat/completions":
+            policy = getattr(request.state, "policy", None)
+            mode = getattr(request.state, "mode", None)
+            calls.record(CallRecord(at=time.monotonic(), policy=policy, mode=mode, status=status))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
+        refused(request, exc.status)
         return exc.response()
 
     @app.get("/health")
@@ -194,7 +214,10 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 with anyio.CancelScope(shield=True):
                     await chunks.aclose()
             if whole is None:  # the client went away: the call was cancelled, nobody reads this
+                refused(request, 499)
                 return Response(status_code=499)
+            if whole.result is not None:
+                calls.record(CallRecord.of_result(whole.result))
             return JSONResponse(completion(request_id, model, whole))
         try:
             first = await _first(chunks)
@@ -203,16 +226,89 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             await chunks.aclose()
             raise
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _sse(request_id, model, _chain(first, chunks), include_usage, release)
+        events = _sse(
+            request_id,
+            model,
+            _chain(first, chunks),
+            include_usage,
+            release,
+            lambda status, result: (
+                calls.record(CallRecord.of_result(result, status))
+                if result is not None
+                else refused(request, status)
+            ),
+        )
         return EventSourceResponse(events, ping=15, send_timeout=30)
+
+    if options.dashboard:
+
+        @app.get("/dashboard")
+        async def dashboard() -> Response:
+            # The page holds no data: its script asks /dashboard/data with the key.
+            return HTMLResponse(
+                dashboard_page(),
+                headers={
+                    "Cache-Control": "no-store",
+                    "Content-Security-Policy": (
+                        "default-src 'none'; script-src 'unsafe-inline'; "
+                        "style-src 'unsafe-inline'; img-src data:; connect-src 'self'; "
+                        "frame-ancestors 'none'"
+                    ),
+                },
+            )
+
+        @app.get("/dashboard/data")
+        async def dashboard_data(request: Request, window: str = "5m") -> dict[str, Any]:
+            key = _authenticate(keys, request)
+            if window not in WINDOWS:
+                message = f"window must be one of {list(WINDOWS)}, got {window!r}"
+                raise ApiError(422, message, "invalid_request_error", param="window")
+            everything = "*" in key.policies
+            data = summarise(
+                calls,
+                window,
+                backend.policies,
+                may_use=key.may_use,
+                everything=everything,
+                describe=_describe(backend),
+            )
+            data["model"] = backend.model_name
+            data["engine"] = getattr(backend, "engine", None)
+            if everything:
+                data["activity"] = await _activity(backend)
+                data["reports"] = list_reports(options.reports_dir)
+            return data
+
+        @app.get("/dashboard/reports/{name}")
+        async def dashboard_report(request: Request, name: str) -> Response:
+            key = _authenticate(keys, request)
+            if "*" not in key.policies:
+                message = f"API key {key.name!r} may not read evaluation reports"
+                raise ApiError(403, message, "permission_error", code="reports_denied")
+            if name not in list_reports(options.reports_dir):  # never a path of the caller's
+                raise ApiError(404, f"no report {name!r}", "not_found_error")
+            assert options.reports_dir is not None
+            return HTMLResponse(
+                (options.reports_dir / name).read_text(encoding="utf-8"),
+                headers={
+                    "Cache-Control": "no-store",
+                    "Content-Security-Policy": (
+                        "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
+                    ),
+                },
+            )
 
     @app.exception_handler(SpecAgentError)
     async def _spec_error(request: Request, exc: SpecAgentError) -> Response:
-        return _as_api_error(exc).response()
+        error = _as_api_error(exc)
+        refused(request, error.status)
+        return error.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        return _as_api_error(exc).response()
+        error = _as_api_error(exc)
+        refused(request, error.status)
+        return error.response()
 
     app.state.drain = lambda: setattr(draining, "on", True)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
@@ -285,6 +381,25 @@ async def _activity(backend: Backend) -> dict[str, Any]:
     return dict(report)
 
 
+def _describe(backend: Backend) -> dict[str, dict[str, Any]]:
+    """Per policy: the engine, the target's dtype and the drafter that run it (what a backend
+    that is a ``SpecRuntime`` says; nothing from another backend)."""
+    engine = getattr(backend, "engine", None)
+    precision = getattr(backend, "precision", None) or {}
+    dtype = (precision.get("target") or {}).get("dtype")
+    target: Any = getattr(backend, "target", None)
+    if dtype is None and hasattr(target, "parameters"):  # a model given as is: its own dtype
+        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+    drafter_kind = getattr(backend, "drafter_kind", None)
+    out: dict[str, dict[str, Any]] = {}
+    for policy in backend.policies:
+        described: dict[str, Any] = {"engine": engine, "dtype": dtype}
+        if drafter_kind is not None:
+            described["drafter"] = drafter_kind(policy)
+        out[policy.name] = {k: v for k, v in described.items() if v is not None}
+    return out
+
+
 def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "id": model_id,
@@ -349,6 +464,8 @@ def _call_spec(
     except ValueError as exc:  # InvalidRequestError and message translation
         raise _as_api_error(exc) from None
     chosen = _resolved_policy(backend, call, key)
+    request.state.policy = chosen
+    request.state.mode = backend.policies[chosen].mode
     if not key.may_use(chosen):
         message = f"API key {key.name!r} may not use policy {chosen!r}"
         raise ApiError(403, message, "permission_error", param="policy", code="policy_denied")
@@ -493,9 +610,12 @@ async def _sse(
     chunks: AsyncGenerator[CallChunk, None],
     include_usage: bool,
     release: Callable[[], None],
+    ended: Callable[[int, Any], None],
 ) -> AsyncIterator[dict[str, str]]:
     """Server-sent events of one call. Closing this generator (the client went away) closes
-    ``chunks``, which cancels the call in the runtime."""
+    ``chunks``, which cancels the call in the runtime. ``ended(status, result)`` says how the
+    call ended: 200 with its result, an error's status, or 499 (the client went away)."""
+    status, result = 499, None
     try:
         yield _event(stream_chunk(request_id, model, {"role": "assistant", "content": ""}))
         async for chunk in chunks:
@@ -514,11 +634,14 @@ async def _sse(
             yield _event(stream_chunk(request_id, model, delta, chunk.finish_reason, extra=stats))
             if include_usage:
                 yield _event(stream_chunk(request_id, model, usage=usage_body(chunk.result)))
+            status, result = 200, chunk.result
         yield {"data": "[DONE]"}
     except Exception as exc:  # after the first chunk: the status line is already sent
         api = _as_api_error(exc)
+        status, result = api.status, None
         yield _event(error_body(str(api), api.kind, api.param, api.code))
     finally:
+        ended(status, result)
         release()
         with anyio.CancelScope(shield=True):
             await chunks.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 from pathlib import Path
 
@@ -142,6 +143,12 @@ def test_eval_end_to_end(runtime, similarity, tmp_path: Path) -> None:
     assert data["settings"][0]["policy"]["acceptance"]["rule"] == "lenience"
     assert set(data["settings"][0]["overall"]) >= {"divergence", "similarity", "speed_ratio"}
     assert png_path.stat().st_size > 1000
+    page = (tmp_path / "eval.html").read_text()  # the report as a page, what /dashboard links
+    assert "src='data:image/png;base64," in page  # the chart inside it: nothing to fetch
+    for setting in report.settings:
+        assert html.escape(setting.label) in page
+        assert not any(out in page for row in setting.prompts for out in row.outputs if out)
+    assert page.count("<tr><td>") == len(report.settings) * len(PROMPTS)  # a row per prompt
     table = report.table()
     assert "typical epsilon=0.3" in table
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 import threading
@@ -10,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -75,6 +77,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a free local port, from a thread; yields its address."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    server = DrainingServer(config, on_drain=app.state.drain)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("keys") / "keys.yaml"
@@ -101,16 +122,6 @@ def live(tokenizer, key_file: Path) -> Iterator[Live]:
         meter_provider=meter_provider,
     )
     app = create_app(runtime, KeyStore.load(key_file, env=""), ServerOptions(metrics=render))
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    server = DrainingServer(config, on_drain=app.state.drain)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield Live(f"http://127.0.0.1:{port}", runtime, app, spans, "tiny")
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield Live(url, runtime, app, spans, "tiny")
     runtime.close()
