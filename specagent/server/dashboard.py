@@ -272,8 +272,10 @@ class CallLog:
         self._memo: dict[float | None, tuple[int, float, float, dict[str | None, _Aggregate]]] = {}
 
     def record(self, record: CallRecord) -> None:
-        now = time.monotonic()  # the bucket of now: only the open bucket ever changes
         with self._lock:
+            # The bucket of now, read under the lock: a window read after this one sees it
+            # in its open bucket, so the buckets it treats as closed never change.
+            now = time.monotonic()
             self._total[record.policy].add(record)
             for level in self._levels:
                 level.add(now, record)
@@ -282,8 +284,8 @@ class CallLog:
     def window(self, seconds: float | None) -> dict[str | None, _Aggregate]:
         """Per policy (None: refused before a policy was known), the calls of the last
         ``seconds`` (to a bucket); None: since the start. Callers must not change it."""
-        now = time.monotonic()
         with self._lock:
+            now = time.monotonic()
             memo = self._memo.get(seconds)
             if memo is not None:
                 version, at, cost, kept = memo
