@@ -71,7 +71,7 @@ def specagent_seconds(runtime: SpecRuntime, batch: list[list[int]], new_tokens: 
 
 
 def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) -> float:
-    ids = torch.tensor(batch)
+    ids = torch.tensor(batch, device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -84,6 +84,8 @@ def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) ->
             pad_token_id=0,
         )
     assert out.shape[1] == ids.shape[1] + new_tokens
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 

@@ -14,7 +14,11 @@ forwards do not depend on the weights' values; acceptance does, so it is control
 5. compiled steps (``decoding.compiled``): each model's single-token step eager against
    ``torch.compile`` over a static KV cache, as ``SpecRuntime(compile_steps=True)`` decides, and
    specagent with the draft model end to end with compiled steps on both models against eager,
-   outputs compared.
+   outputs compared;
+6. streams: plain greedy calls through the public runtime (each call's KV in a slot of the
+   runner's pool, concurrent calls in one batched forward per round), one call and 16 at once,
+   against transformers' ``generate`` with a static cache (which compiles its step on CUDA) on
+   one prompt and on the 16 as a batch; one call's tokens against transformers' greedy ones.
 
     python benchmarks/gpu_step_costs.py --out benchmarks/results/gpu-step-costs_h200.json
     python benchmarks/gpu_step_costs.py --tiny   # a CPU smoke run of the same code paths
@@ -35,7 +39,11 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from batched_decode import PLAIN, specagent_seconds, transformers_seconds
+
+from specagent import SpecRuntime
 from specagent.decoding.costs import CostModel, expected_tokens, measure_costs
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.drafters import PromptLookupDrafter
@@ -320,6 +328,47 @@ def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> d
     return out
 
 
+def streams(target: Any, device: torch.device, new: int, calls: int, repeats: int) -> dict:
+    """Tokens/s of one call and of ``calls`` at once, specagent against transformers."""
+    runtime = SpecRuntime(target, policies=[PLAIN], device=device.type, prefix_cache_tokens=0)
+    runtime.eos_token_ids = []  # random weights: every call runs to its length
+    batch = [[(i * 131 + j * 7) % 1000 + 3 for j in range(128)] for i in range(calls)]
+    methods = {
+        "specagent_1": (1, lambda: specagent_seconds(runtime, batch[:1], new)),
+        f"specagent_{calls}": (calls, lambda: specagent_seconds(runtime, batch, new)),
+        "transformers_static_1": (1, lambda: transformers_seconds(target, batch[:1], new)),
+        f"transformers_static_{calls}": (calls, lambda: transformers_seconds(target, batch, new)),
+    }
+    rows: dict[str, Any] = {}
+    for name, (n, fn) in methods.items():
+        try:
+            seconds = timed(fn, device, repeats)
+        except Exception as exc:  # one failing method must not lose the other rows
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
+        rows[name] = {"seconds": round(seconds, 4), "tokens_per_s": round(n * new / seconds, 2)}
+
+    def ratio(a: str, b: str) -> float | None:
+        if "tokens_per_s" not in rows[a] or "tokens_per_s" not in rows[b]:
+            return None
+        return round(rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"], 3)
+
+    rows[f"specagent_{calls}_vs_1"] = ratio(f"specagent_{calls}", "specagent_1")
+    rows["specagent_vs_transformers_static_1"] = ratio("specagent_1", "transformers_static_1")
+    rows[f"specagent_vs_transformers_static_{calls}"] = ratio(
+        f"specagent_{calls}", f"transformers_static_{calls}"
+    )
+    ours = runtime.generate_sync(batch[0], policy="plain", max_new_tokens=new, temperature=0.0)
+    theirs = hf_generate(target, batch[0], new, cache_implementation="static")
+    differs_at = next(
+        (i for i, (a, b) in enumerate(zip(ours.token_ids, theirs, strict=True)) if a != b), None
+    )
+    rows["greedy_equal_to_transformers"] = differs_at is None
+    rows["first_difference_at"] = differs_at  # bf16 near-ties may part the two after a while
+    runtime.close()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny models (a CPU smoke run)")
@@ -346,6 +395,9 @@ def main() -> None:
         report["loop"] = loop_overhead(target, draft, device, args.new_tokens, args.repeats)
         print(json.dumps(report["loop"], indent=1), flush=True)
         report["compiled_steps"] = compiled_steps(target, draft, device, args.new_tokens)
+        print(json.dumps(report["compiled_steps"], indent=1), flush=True)
+    report["streams"] = streams(target, device, args.new_tokens, 16, args.repeats)
+    print(json.dumps(report["streams"], indent=1), flush=True)
     report["wall_s"] = round(time.time() - started, 1)
     text = json.dumps(report, indent=1)
     print(text)
