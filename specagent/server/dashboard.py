@@ -259,17 +259,18 @@ class _Level:
 class CallLog:
     """Finished (and refused) calls, aggregated as they are recorded: per policy, in time
     buckets (``_LEVELS``) and since the start. Recording is a few counter updates under a lock
-    (nothing a call waits for). Reading a window merges its buckets outside the lock (only the
-    open bucket is copied: the others no longer change), so a poll costs about the same at ten
-    calls a minute or a thousand a second; a read that took long is reused for a second."""
+    (nothing a call waits for). A window is the merge of its closed buckets, which no longer
+    change and so are merged once per bucket boundary and kept, with a copy of the open one:
+    every read is exact and current, and costs about the same at ten calls a minute or a
+    thousand a second."""
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self._levels = [_Level(width, keep) for width, keep in _LEVELS]
         self._total: dict[str | None, _Aggregate] = collections.defaultdict(_Aggregate)
         self._lock = threading.Lock()
-        self._version = 0
-        self._memo: dict[float | None, tuple[int, float, float, dict[str | None, _Aggregate]]] = {}
+        self._closed: dict[float, tuple[tuple[int, int], dict[str | None, _Aggregate]]] = {}
+        """Per window: the (first, open) buckets its kept merge covers, and that merge."""
 
     def record(self, record: CallRecord) -> None:
         with self._lock:
@@ -279,35 +280,34 @@ class CallLog:
             self._total[record.policy].add(record)
             for level in self._levels:
                 level.add(now, record)
-            self._version += 1
 
     def window(self, seconds: float | None) -> dict[str | None, _Aggregate]:
         """Per policy (None: refused before a policy was known), the calls of the last
-        ``seconds`` (to a bucket); None: since the start. Callers must not change it."""
+        ``seconds`` (to a bucket); None: since the start. A new dict, the caller's."""
         with self._lock:
-            now = time.monotonic()
-            memo = self._memo.get(seconds)
-            if memo is not None:
-                version, at, cost, kept = memo
-                if now - at < 1.0 and (version == self._version or cost > 0.005):
-                    return kept
-            version = self._version
             if seconds is None:
-                closed, open_parts = [], [self._total]
-            else:
-                level = next(lv for lv in self._levels if lv.keep >= seconds)
-                first = int((now - seconds) // level.width)
-                current = int(now // level.width)
-                closed = [h for b, h in level.buckets.items() if first <= b < current]
-                open_parts = [level.buckets[current]] if current in level.buckets else []
-            copies = [_copied(part) for part in open_parts]
-        merged: dict[str | None, _Aggregate] = collections.defaultdict(_Aggregate)
-        for part in [*closed, *copies]:
-            for policy, aggregate in part.items():
-                merged[policy].merge(aggregate)
-        with self._lock:
-            self._memo[seconds] = (version, now, time.monotonic() - now, merged)
-        return merged
+                return _copied(self._total)
+            now = time.monotonic()
+            level = next(lv for lv in self._levels if lv.keep >= seconds)
+            span = (int((now - seconds) // level.width), int(now // level.width))
+            kept = self._closed.get(seconds)
+            closed = None
+            if kept is None or kept[0] != span:
+                closed = [h for b, h in level.buckets.items() if span[0] <= b < span[1]]
+            open_part = _copied(level.buckets.get(span[1], {}))
+        if closed is not None:  # a bucket closed since the last read: merged once, kept
+            merged: dict[str | None, _Aggregate] = {}
+            for part in closed:
+                for policy, aggregate in part.items():
+                    merged.setdefault(policy, _Aggregate()).merge(aggregate)
+            kept = (span, merged)
+            with self._lock:
+                self._closed[seconds] = kept
+        assert kept is not None
+        out = _copied(kept[1])
+        for policy, aggregate in open_part.items():
+            out.setdefault(policy, _Aggregate()).merge(aggregate)
+        return out
 
 
 def _copied(part: dict[str | None, _Aggregate]) -> dict[str | None, _Aggregate]:
