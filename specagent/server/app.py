@@ -48,6 +48,7 @@ from ..errors import (
 from .dashboard import WINDOWS, CallLog, CallRecord, dashboard_page, list_reports, summarise
 from .keys import ApiKey, KeyStore
 from .limits import Limited, Limits
+from .metrics import HttpMetrics
 from .wire import (
     ChatCompletionRequest,
     completion,
@@ -88,6 +89,9 @@ class ServerOptions:
     none."""
     max_concurrent: int | None = 64
     """Calls in flight per key, for keys that set no ``max_concurrent`` of their own."""
+    meter_provider: Any = None
+    """Where the server's own HTTP metric goes (``metrics.HttpMetrics``; ``specagent serve``
+    passes the runtime's, so ``/metrics`` shows it). None: not recorded."""
     dashboard: bool = True
     """Serve ``/dashboard`` and its data (numbers per policy, behind the key check)."""
     reports_dir: Path | None = None
@@ -312,6 +316,8 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
 
     app.state.drain = lambda: setattr(draining, "on", True)
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
+    if options.meter_provider is not None:
+        app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
     return app
 
 

@@ -1,15 +1,34 @@
-"""``GET /metrics``: the runtime's OpenTelemetry instruments as Prometheus text.
+"""``GET /metrics``: the runtime's OpenTelemetry instruments as Prometheus text, and the
+server's own HTTP metric.
 
-One ``MeterProvider`` with a Prometheus reader, given to the runtime; its own registry, so two
-servers in one process (tests, side-by-side runs) never mix their numbers.
+One ``MeterProvider`` with a Prometheus reader, given to the runtime and to the server; its own
+registry, so two servers in one process (tests, side-by-side runs) never mix their numbers.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["prometheus_metrics"]
+from opentelemetry import metrics
+
+from .._version import __version__
+
+__all__ = ["HttpMetrics", "prometheus_metrics"]
+
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
+    "/dashboard",
+    "/dashboard/data",
+)
+"""The routes a request is counted under; anything else counts as ``other`` (a bounded label:
+a scanner's paths must not grow the metric)."""
+_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 
 
 def prometheus_metrics() -> tuple[Any, Callable[[], bytes]]:
@@ -27,3 +46,50 @@ def prometheus_metrics() -> tuple[Any, Callable[[], bytes]]:
         reader = PrometheusMetricReader()
     provider = MeterProvider(metric_readers=[reader])
     return provider, lambda: generate_latest(registry)
+
+
+class HttpMetrics:
+    """``http.server.request.duration`` (OpenTelemetry's HTTP server metric) for every request:
+    method, route, status code, and the chat call's policy where it was known, timed to the
+    response's last byte (a stream's end). It counts what the runtime's instruments never see:
+    the calls the server refuses (a bad key, a rate limit, a malformed or oversized body). A
+    plain ASGI middleware, outermost, so streaming and disconnects pass through untouched."""
+
+    def __init__(self, app: Any, meter_provider: Any) -> None:
+        self.app = app
+        meter = metrics.get_meter("specagent.server", __version__, meter_provider=meter_provider)
+        self.duration = meter.create_histogram(
+            "http.server.request.duration",
+            unit="s",
+            description="Duration of HTTP server requests",
+            explicit_bucket_boundaries_advisory=_BUCKETS,
+        )
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500  # an exception before any response: a 500
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            path = scope.get("path", "")
+            route = path if path in ROUTES else "other"
+            if path.startswith("/dashboard/reports/"):
+                route = "/dashboard/reports/{name}"
+            attributes: dict[str, Any] = {
+                "http.request.method": scope.get("method", ""),
+                "http.route": route,
+                "http.response.status_code": status,
+            }
+            policy = (scope.get("state") or {}).get("policy")
+            if policy is not None:
+                attributes["specagent.policy"] = policy
+            self.duration.record(time.perf_counter() - start, attributes)

@@ -70,7 +70,9 @@ def serve(
     runtime = SpecRuntime.from_pretrained(
         target, draft=draft, policies=policies, meter_provider=provider, **runtime_options
     ).start()  # step costs measured from now: /ready says when
-    options = dataclasses.replace(options or ServerOptions(), metrics=render)
+    options = dataclasses.replace(
+        options or ServerOptions(), metrics=render, meter_provider=provider
+    )
     app = create_app(runtime, keys, options)
     config = uvicorn.Config(
         app, host=host, port=port, timeout_graceful_shutdown=int(drain_seconds), log_level="info"

@@ -121,7 +121,8 @@ def live(tokenizer, key_file: Path) -> Iterator[Live]:
         tracer_provider=tracer_provider,
         meter_provider=meter_provider,
     )
-    app = create_app(runtime, KeyStore.load(key_file, env=""), ServerOptions(metrics=render))
+    options = ServerOptions(metrics=render, meter_provider=meter_provider)
+    app = create_app(runtime, KeyStore.load(key_file, env=""), options)
     with serving(app) as url:
         yield Live(url, runtime, app, spans, "tiny")
     runtime.close()

@@ -231,6 +231,28 @@ def test_the_grafana_dashboard_charts_metrics_the_server_exports(live: Live) -> 
     assert "specagent_fallbacks_total{" in text
 
 
+def test_refused_calls_are_counted_in_the_metrics_by_status(live: Live) -> None:
+    """What the runtime never sees (a bad key, a body over the token cap) is in /metrics as
+    the server's HTTP metric, by route and status; a served call carries its policy."""
+    url = f"{live.url}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    full = {"Authorization": f"Bearer {KEYS['full']}"}
+    assert httpx.post(url, json=body, headers=full, timeout=30).status_code == 422
+    chat(live, "customer-reply")
+    text = httpx.get(f"{live.url}/metrics", headers=full, timeout=30).text
+    counts = [
+        line
+        for line in text.splitlines()
+        if line.startswith("http_server_request_duration_seconds_count{")
+        and 'http_route="/v1/chat/completions"' in line
+    ]
+    for status in ("401", "422"):
+        assert any(f'http_response_status_code="{status}"' in line for line in counts), status
+    served = [line for line in counts if 'http_response_status_code="200"' in line]
+    assert any('specagent_policy="customer-reply"' in line for line in served)
+
+
 def _asgi_client(app: Any) -> Any:
     from fastapi.testclient import TestClient
 
