@@ -48,7 +48,7 @@ from ..errors import (
 from .dashboard import WINDOWS, CallLog, CallRecord, dashboard_page, list_reports, summarise
 from .keys import ApiKey, KeyStore
 from .limits import Limited, Limits
-from .metrics import HttpMetrics
+from .metrics import HttpMetrics, observe_activity
 from .wire import (
     ChatCompletionRequest,
     completion,
@@ -318,6 +318,8 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     if options.meter_provider is not None:
         app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
+        if callable(getattr(backend, "activity", None)):
+            observe_activity(options.meter_provider, backend.activity)  # type: ignore[attr-defined]
     return app
 
 

@@ -7,15 +7,17 @@ registry, so two servers in one process (tests, side-by-side runs) never mix the
 
 from __future__ import annotations
 
+import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from .._version import __version__
 
-__all__ = ["HttpMetrics", "prometheus_metrics"]
+__all__ = ["HttpMetrics", "observe_activity", "prometheus_metrics"]
 
 ROUTES = (
     "/v1/chat/completions",
@@ -93,3 +95,28 @@ class HttpMetrics:
             if policy is not None:
                 attributes["specagent.policy"] = policy
             self.duration.record(time.perf_counter() - start, attributes)
+
+
+def observe_activity(meter_provider: Any, activity: Callable[[], Mapping[str, Any]]) -> bool:
+    """The gauge ``specagent.calls`` (``specagent.call.state``: ``running`` / ``queued``), read
+    from ``activity`` (a runtime's ``activity()``) whenever the metrics are collected: the
+    queue that the dashboard shows, for Prometheus. False where ``activity`` is asynchronous
+    (replicas on Ray report through ``/ready`` and the dashboard instead)."""
+    if inspect.iscoroutinefunction(activity):
+        return False
+
+    def observe(_: CallbackOptions) -> list[Observation]:
+        report = activity()
+        return [
+            Observation(int(report.get(state, 0)), {"specagent.call.state": state})
+            for state in ("running", "queued")
+        ]
+
+    meter = metrics.get_meter("specagent.server", __version__, meter_provider=meter_provider)
+    meter.create_observable_gauge(
+        "specagent.calls",
+        callbacks=[observe],
+        unit="{call}",
+        description="Calls the runtime is running and holding in its queue",
+    )
+    return True

@@ -229,6 +229,10 @@ def test_the_grafana_dashboard_charts_metrics_the_server_exports(live: Live) -> 
     assert charted <= exported, charted - exported
     assert 'specagent_draft_source="history"' in text
     assert "specagent_fallbacks_total{" in text
+    for state in ("running", "queued"):  # the queue the dashboard shows, now: nothing waits
+        assert re.search(
+            rf'^specagent_calls\{{[^}}]*specagent_call_state="{state}"[^}}]*\}} 0', text, re.M
+        )
 
 
 def test_refused_calls_are_counted_in_the_metrics_by_status(live: Live) -> None:
