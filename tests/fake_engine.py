@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from specagent.decoding.costs import SettlesNothing
+from specagent.decoding.engine import cropped_length
 
 VOCAB = 12
 EOS = 2
@@ -27,8 +28,9 @@ class TokenSequence:
         return len(self.tokens)
 
     def crop(self, max_length: int) -> None:
-        keep = len(self.tokens) + max_length if max_length < 0 else max_length
-        del self.tokens[keep:]
+        keep = cropped_length(len(self.tokens), max_length)
+        if keep is not None:
+            del self.tokens[keep:]
 
 
 def table_logits(context: Sequence[int], seed: int = 1000) -> torch.Tensor:

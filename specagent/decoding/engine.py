@@ -28,7 +28,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["ForwardRequest", "KVSequence", "Runner", "advance", "align_vocab", "crop_to"]
+__all__ = [
+    "ForwardRequest",
+    "KVSequence",
+    "Runner",
+    "advance",
+    "align_vocab",
+    "crop_to",
+    "cropped_length",
+]
 
 
 @runtime_checkable
@@ -128,6 +136,13 @@ def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return logits[..., :vocab_size]
     pad = logits.new_full((*logits.shape[:-1], vocab_size - n), float("-inf"))
     return torch.cat([logits, pad], dim=-1)
+
+
+def cropped_length(held: int, max_length: int) -> int | None:
+    """How many of ``held`` positions ``KVSequence.crop(max_length)`` keeps (negative: drop
+    that many from the end, transformers' convention); None where it keeps them all."""
+    keep = held + max_length if max_length < 0 else max_length
+    return keep if 0 <= keep < held else None
 
 
 def crop_to(cache: KVSequence, length: int) -> None:

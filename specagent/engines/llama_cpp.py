@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..decoding.costs import SettlesNothing
-from ..decoding.engine import align_vocab
+from ..decoding.engine import align_vocab, cropped_length
 from ..errors import GenerationError, ModelLoadError
 
 __all__ = ["LlamaCppModel", "LlamaCppRunner", "LlamaSequence", "available", "check_vocabulary"]
@@ -108,8 +108,8 @@ class LlamaSequence:
         return self.length
 
     def crop(self, max_length: int) -> None:
-        keep = self.length + max_length if max_length < 0 else max_length
-        if 0 <= keep < self.length:
+        keep = cropped_length(self.length, max_length)
+        if keep is not None:
             self._model._remove(self.seq_id, keep)
             self.length = keep
 

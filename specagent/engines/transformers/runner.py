@@ -414,8 +414,7 @@ class ModelRunner:
         if len(parents) != len(input_ids):
             raise ValueError(f"a tree of {len(input_ids)} rows needs as many parents")
         if isinstance(cache, SlotSequence):
-            with cache.pool.lock:
-                return self._slot_tree_forward(input_ids, cache, parents)
+            return self._slot_tree_forward(input_ids, cache, parents)
         length = int(cache.get_seq_length())
         width = length + len(input_ids)
         if is_static(cache):
@@ -444,19 +443,20 @@ class ModelRunner:
         ancestors (``tree.tree_mask``); ``SlotSequence.keep_path`` keeps the accepted path."""
         assert self._pool is not None
         length, rows = cache.length, len(input_ids)
-        batch = SlotBatch(self._pool, [cache], rows)
-        mask_dtype = self._mask_dtype()
-        mask = tree_mask(parents, length, None if isinstance(mask_dtype, str) else mask_dtype)
-        depths = row_depths(parents)
-        kwargs: dict[str, Any] = {
-            self._cache_kw: batch,
-            "use_cache": True,
-            "attention_mask": mask.to(self.device),
-            "position_ids": torch.tensor([[length + d for d in depths]], device=self.device),
-        }
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, **kwargs).logits[0]
-        cache.length += rows
+        with self._pool.lock:  # no reallocation by another thread under this forward
+            batch = SlotBatch(self._pool, [cache], rows)
+            mask_dtype = self._mask_dtype()
+            mask = tree_mask(parents, length, None if isinstance(mask_dtype, str) else mask_dtype)
+            depths = row_depths(parents)
+            kwargs: dict[str, Any] = {
+                self._cache_kw: batch,
+                "use_cache": True,
+                "attention_mask": mask.to(self.device),
+                "position_ids": torch.tensor([[length + d for d in depths]], device=self.device),
+            }
+            ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, **kwargs).logits[0]
+            cache.length += rows
         return self._finished(logits)
 
     def _forward(
@@ -470,8 +470,7 @@ class ModelRunner:
         if twin is not None and len(input_ids) >= twin.from_rows:
             return self._twin_forward(twin.model, input_ids, cache, keep, vocab)
         if isinstance(cache, SlotSequence):
-            with cache.pool.lock:
-                return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
+            return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
             if (
@@ -538,19 +537,12 @@ class ModelRunner:
                 )
         logits = self._run(twin, input_ids, temp, keep, vocab)
         if isinstance(cache, SlotSequence):
-            pool, end = cache.pool, length + len(input_ids)
-            with pool.lock:
-                pool.ensure(end)
-                for index, layer in enumerate(temp.layers):
-                    new: Any = layer
-                    pool.keys[index][cache.slot, :, length:end] = new.keys[0, :, length:]
-                    pool.values[index][cache.slot, :, length:end] = new.values[0, :, length:]
-            cache.length = end
+            cache.pool.fill(cache, temp, start=length)
             return logits
         if is_static(cache):
             ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
         for index, layer in enumerate(temp.layers):
-            new = layer
+            new: Any = layer
             cache.update(
                 new.keys[:, :, length:].to(self._dtype),
                 new.values[:, :, length:].to(self._dtype),
@@ -567,37 +559,38 @@ class ModelRunner:
         """One forward over calls that hold slots of this runner's pool: each row's tokens at
         its own positions, its new keys and values written into its slot where they belong,
         attention over the slots in place (``slots.SlotBatch``). Only the rows somebody
-        reads are projected onto the vocabulary. The caller holds the pool's ``lock``."""
+        reads are projected onto the vocabulary."""
         assert self._pool is not None
         sequences = [cache for _, cache in requests]
         counts = [len(tokens) for tokens, _ in requests]
         widest = max(counts)
-        batch = SlotBatch(self._pool, sequences, widest)
-        ids = torch.zeros(len(requests), widest, dtype=torch.long)
-        for i, (tokens, _) in enumerate(requests):
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        mask_dtype = self._mask_dtype()
-        mask = batch_mask(
-            batch.starts,
-            counts,
-            widest,
-            batch.kv_length,
-            None if isinstance(mask_dtype, str) else mask_dtype,
-        )
-        inputs = {
-            "input_ids": ids.to(self.device),
-            "attention_mask": mask.to(self.device),
-            "position_ids": batch.position_index,
-            "use_cache": True,
-        }
-        wanted = [
-            (i, count - min(count, k if k is not None else count), count)
-            for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
-        ]
-        with self._planned():
-            logits = self._gathered_logits(inputs, batch, wanted, widest, vocabs)
-        for sequence, count in zip(sequences, counts, strict=True):
-            sequence.length += count
+        with self._pool.lock:  # no reallocation by another thread under this forward
+            batch = SlotBatch(self._pool, sequences, widest)
+            ids = torch.zeros(len(requests), widest, dtype=torch.long)
+            for i, (tokens, _) in enumerate(requests):
+                ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask_dtype = self._mask_dtype()
+            mask = batch_mask(
+                batch.starts,
+                counts,
+                widest,
+                batch.kv_length,
+                None if isinstance(mask_dtype, str) else mask_dtype,
+            )
+            inputs = {
+                "input_ids": ids.to(self.device),
+                "attention_mask": mask.to(self.device),
+                "position_ids": batch.position_index,
+                "use_cache": True,
+            }
+            wanted = [
+                (i, count - min(count, k if k is not None else count), count)
+                for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
+            ]
+            with self._planned():
+                logits = self._gathered_logits(inputs, batch, wanted, widest, vocabs)
+            for sequence, count in zip(sequences, counts, strict=True):
+                sequence.length += count
         return [self._finished(rows) for rows in logits]
 
     @torch.inference_mode()
@@ -672,9 +665,7 @@ class ModelRunner:
                 out.update(zip(group, results, strict=True))
             return [out[i] for i in range(len(requests))]
         if in_slots:
-            assert self._pool is not None
-            with self._pool.lock:
-                return self._slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
+            return self._slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
         if len(requests) == 1 or not all(_plain_layers(cache) for _, cache in requests):
             return [
                 self._forward(tokens, cache, k, v)

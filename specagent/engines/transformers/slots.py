@@ -36,6 +36,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...decoding.engine import cropped_length
+
 __all__ = ["SlotBatch", "SlotPool", "SlotSequence", "batch_mask", "slot_shapes"]
 
 
@@ -153,23 +155,20 @@ class SlotPool:
             while self._released:
                 self._in_use.discard(self._released.popleft())
 
-    @property
-    def in_use(self) -> int:
-        self._reap()
-        return len(self._in_use)
-
-    def fill(self, sequence: SlotSequence, source: Any) -> None:
-        """Write what ``source`` (an ordinary transformers cache) holds into an empty slot."""
-        length = int(source.get_seq_length())
-        if length == 0:
+    def fill(self, sequence: SlotSequence, source: Any, start: int = 0) -> None:
+        """Write what ``source`` (an ordinary transformers cache) holds from position ``start``
+        on into ``sequence``'s slot, which holds the positions before it (an empty slot: all
+        of them); the slot then holds as many positions as ``source``."""
+        end = int(source.get_seq_length())
+        if end <= start:
             return
         with self.lock:
-            self.ensure(length)
+            self.ensure(end)
             for index, layer in enumerate(source.layers):
                 held: Any = layer
-                self.keys[index][sequence.slot, :, :length] = held.keys[0, :, :length]
-                self.values[index][sequence.slot, :, :length] = held.values[0, :, :length]
-        sequence.length = length
+                self.keys[index][sequence.slot, :, start:end] = held.keys[0, :, start:end]
+                self.values[index][sequence.slot, :, start:end] = held.values[0, :, start:end]
+        sequence.length = end
 
     def copy_of(self, sequence: SlotSequence, length: int) -> DynamicCache:
         """An ordinary cache holding a copy of a slot's first ``length`` positions."""
@@ -199,8 +198,8 @@ class SlotSequence:
         return self.length
 
     def crop(self, max_length: int) -> None:
-        keep = self.length + max_length if max_length < 0 else max_length
-        if 0 <= keep < self.length:
+        keep = cropped_length(self.length, max_length)
+        if keep is not None:
             self.length = keep
 
     def kept_copy(self) -> DynamicCache:
