@@ -234,7 +234,7 @@ async def dashboard_cost(
             calls[which].append(statistics.mean(took.values()))
     wall_on, wall_off = statistics.median(walls["dashboard"]), statistics.median(walls["none"])
     # What the dashboard adds, accounted: each call folded into the log, each poll answered.
-    log, done = CallLog(), CallRecord(time.monotonic(), "p", "relaxed", 200, 1.0, 0.1, 64)
+    log, done = CallLog(), CallRecord("p", 200, latency_s=1.0, ttft_s=0.1, output_tokens=64)
     start = time.perf_counter()
     for _ in range(20_000):
         log.record(done)

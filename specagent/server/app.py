@@ -21,7 +21,6 @@ import inspect
 import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,8 +143,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         """A chat call answered with an error: counted under its policy where it was known."""
         if request.url.path == "/v1/chat/completions":
             policy = getattr(request.state, "policy", None)
-            mode = getattr(request.state, "mode", None)
-            calls.record(CallRecord(at=time.monotonic(), policy=policy, mode=mode, status=status))
+            calls.record(CallRecord(policy=policy, status=status))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -473,7 +471,6 @@ def _call_spec(
         raise _as_api_error(exc) from None
     chosen = _resolved_policy(backend, call, key)
     request.state.policy = chosen
-    request.state.mode = backend.policies[chosen].mode
     if not key.may_use(chosen):
         message = f"API key {key.name!r} may not use policy {chosen!r}"
         raise ApiError(403, message, "permission_error", param="policy", code="policy_denied")

@@ -37,17 +37,13 @@ WINDOWS: dict[str, float | None] = {"5m": 300.0, "1h": 3600.0, "all": None}
 class CallRecord:
     """One finished (or refused) call, as numbers."""
 
-    at: float
-    """``time.monotonic()`` when it ended."""
     policy: str | None
     """None: refused before its policy was known (a bad key, a malformed body)."""
-    mode: str | None
     status: int
     """The HTTP status it was answered with (200 for a stream that ended well)."""
     latency_s: float | None = None
     ttft_s: float | None = None
     output_tokens: int = 0
-    tokens_per_s: float | None = None
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     accepted_by_source: dict[str, int] = field(default_factory=dict)
@@ -59,14 +55,11 @@ class CallRecord:
         """The record of a call that produced a ``GenerationResult``."""
         stats = result.stats
         return cls(
-            at=time.monotonic(),
             policy=stats.policy,
-            mode=stats.mode,
             status=status,
             latency_s=stats.latency_s,
             ttft_s=stats.ttft_s,
             output_tokens=result.usage.output_tokens,
-            tokens_per_s=stats.tokens_per_s,
             acceptance_rate=stats.acceptance_rate if stats.num_draft_tokens else None,
             mean_acceptance_length=stats.mean_acceptance_length,
             accepted_by_source=dict(stats.accepted_by_source),

@@ -121,9 +121,7 @@ def test_windows_forget_older_calls_and_quantiles_stay_within_a_percent(monkeypa
     def call(latency: float, divergence: float | None = None) -> None:
         log.record(
             dashboard.CallRecord(
-                at=clock[0],
                 policy="internal-summary",
-                mode="relaxed",
                 status=200,
                 latency_s=latency,
                 ttft_s=latency / 10,
@@ -141,7 +139,7 @@ def test_windows_forget_older_calls_and_quantiles_stay_within_a_percent(monkeypa
         call(0.5)
     clock[0] = 1400.5
     for _ in range(3):
-        log.record(dashboard.CallRecord(at=clock[0], policy=None, mode=None, status=401))
+        log.record(dashboard.CallRecord(policy=None, status=401))
 
     def numbers(window: str) -> dict[str, Any]:
         return dashboard.summarise(log, window, policies, may_use=lambda _: True, everything=True)
