@@ -9,7 +9,7 @@ call's KV in the runner's slot pool (``kv_slots=True``, the default) and in an o
 per call (``kv_slots=False``); transformers runs the same 16 prompts as one left-padded batch
 with ``cache_implementation="static"``. Each side is timed at two output lengths, and the cost
 of one output token is the difference over the extra tokens (the prefill cancels out); methods
-take turns, three rounds, medians.
+take turns, five rounds, medians.
 
     python benchmarks/batched_decode.py            # contexts 32 and 2048, 16 calls
 """
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32, 2048])
     parser.add_argument("--calls", type=int, default=16)
     parser.add_argument("--tokens", type=int, nargs=2, default=[8, 40], help="short, long")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     started = time.perf_counter()
