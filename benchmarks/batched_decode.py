@@ -11,12 +11,21 @@ with ``cache_implementation="static"``. Each side is timed at two output lengths
 of one output token is the difference over the extra tokens (the prefill cancels out); methods
 take turns, five rounds, medians.
 
+Speculative rounds verify several tokens per call under a per-row mask, which for a
+grouped-query model is where transformers' sdpa attention copies every key/value head per query
+head. The second part runs the same 16 calls with a draft model (a copy of the target, k = 4
+fixed: every round a 5-token verification per call) and times the model's attention as the
+runner chose it (``engines.transformers.attention``: grouped heads in place, where that measured
+faster) against transformers' sdpa, the two taking turns; a batched verification alone (16
+calls x 5 tokens over their slots) is timed the same way, without the prefill's noise.
+
     python benchmarks/batched_decode.py            # contexts 32 and 2048, 16 calls
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -29,9 +38,22 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specagent import Policy, SpecRuntime
 from specagent.bench import write_result
+from specagent.engines.transformers import ModelRunner
 
 PLAIN = Policy(
     name="plain", description="plain greedy steps", mode="lossless", drafter={"kind": "none"}
+)
+DRAFTED = Policy(
+    name="drafted",
+    description="a draft model proposing 4 tokens every round",
+    mode="lossless",
+    drafter={
+        "kind": "draft_model",
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+        "confidence_threshold": 0.0,
+        "lookup_guesses": False,
+    },
 )
 
 
@@ -55,14 +77,16 @@ def prompts(calls: int, context: int) -> list[list[int]]:
     return [[(i * 131 + j * 7) % 2000 + 3 for j in range(context)] for i in range(calls)]
 
 
-def specagent_seconds(runtime: SpecRuntime, batch: list[list[int]], new_tokens: int) -> float:
+def specagent_seconds(
+    runtime: SpecRuntime, batch: list[list[int]], new_tokens: int, policy: str = "plain"
+) -> float:
     async def run() -> float:
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for prompt in batch:
                 tg.start_soon(
                     lambda p=prompt: runtime.generate(
-                        p, policy="plain", max_new_tokens=new_tokens, temperature=0.0
+                        p, policy=policy, max_new_tokens=new_tokens, temperature=0.0
                     )
                 )
         return time.perf_counter() - start
@@ -89,6 +113,97 @@ def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) ->
     return time.perf_counter() - start
 
 
+def per_token_rounds(
+    methods: dict[str, Any], batch: list[list[int]], tokens: tuple[int, int], rounds: int
+) -> dict[str, list[float]]:
+    """Seconds per output token of each method, a value per round (methods taking turns)."""
+    short, long = tokens
+    for method in methods.values():
+        method(batch[:2], 2)  # warm up
+    per_token: dict[str, list[float]] = {name: [] for name in methods}
+    for round_index in range(rounds):
+        order = list(methods) if round_index % 2 == 0 else list(methods)[::-1]
+        for name in order:
+            t_short = methods[name](batch, short)
+            t_long = methods[name](batch, long)
+            per_token[name].append((t_long - t_short) / ((long - short) * len(batch)))
+    return per_token
+
+
+def summary(per_token: dict[str, list[float]], reference: str) -> dict[str, Any]:
+    medians = {name: statistics.median(values) for name, values in per_token.items()}
+    return {
+        "ms_per_token": {name: round(v * 1000, 3) for name, v in medians.items()},
+        "rounds_ms_per_token": {
+            name: [round(v * 1000, 3) for v in values] for name, values in per_token.items()
+        },
+        f"vs_{reference}": {name: round(v / medians[reference], 2) for name, v in medians.items()},
+    }
+
+
+def verification_rounds(contexts: list[int], calls: int, rounds: int) -> dict[str, Any]:
+    """One batched verification (5 tokens per call over its slot) timed alone: the runner's
+    attention against transformers' sdpa, alternating, milliseconds per round (medians)."""
+    model = small_llama()
+    runner = ModelRunner(model, slots=True)
+    chosen = runner.attention or "sdpa"
+    out: dict[str, Any] = {"chosen_attention": chosen}
+    for context in contexts:
+        sequences = [runner.new_cache() for _ in range(calls)]
+        for prompt, sequence in zip(prompts(calls, context), sequences, strict=True):
+            runner.forward(prompt, sequence, keep=1)
+        times: dict[str, list[float]] = {chosen: [], "sdpa": []}
+        for round_index in range(2 * rounds + 1):
+            for name in list(times) if round_index % 2 == 0 else list(times)[::-1]:
+                model.config._attn_implementation = name
+                start = time.perf_counter()
+                runner.forward_batch([([7] * 5, s) for s in sequences], keep=[5] * calls)
+                if round_index:  # the first round warms up
+                    times[name].append(time.perf_counter() - start)
+                for sequence in sequences:
+                    sequence.crop(context)
+        medians = {name: statistics.median(values) * 1000 for name, values in times.items()}
+        out[str(context)] = {
+            "ms_per_round": {name: round(ms, 2) for name, ms in medians.items()},
+            "vs_sdpa": round(medians[chosen] / medians["sdpa"], 3),
+        }
+        print("verification round", context, out[str(context)], flush=True)
+    model.config._attn_implementation = chosen
+    return out
+
+
+def drafted_rounds(
+    contexts: list[int], calls: int, tokens: tuple[int, int], rounds: int
+) -> dict[str, Any]:
+    """16 calls with a draft model at k = 4: the runner's attention against transformers' sdpa
+    (switched between rounds on both models; the runners read it at every forward)."""
+    target = small_llama()
+    draft = copy.deepcopy(target)
+    runtime = SpecRuntime(target, draft, policies=[DRAFTED], device="cpu", prefix_cache_tokens=0)
+    runtime.eos_token_ids = []
+    chosen = target.config._attn_implementation
+
+    def with_attention(name: str) -> Any:
+        def run(batch: list[list[int]], new_tokens: int) -> float:
+            for model in (target, draft):
+                model.config._attn_implementation = name
+            return specagent_seconds(runtime, batch, new_tokens, policy="drafted")
+
+        return run
+
+    methods = {
+        f"attention_{chosen}": with_attention(chosen),
+        "attention_sdpa": with_attention("sdpa"),
+    }
+    out: dict[str, Any] = {"chosen_attention": chosen}
+    for context in contexts:
+        per_token = per_token_rounds(methods, prompts(calls, context), tokens, rounds)
+        out[str(context)] = summary(per_token, "attention_sdpa")
+        print("drafted", context, out[str(context)]["ms_per_token"], flush=True)
+    runtime.close()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[32, 2048])
@@ -113,33 +228,16 @@ def main() -> None:
         },
         "transformers_static_generate": lambda b, n: transformers_seconds(model, b, n),
     }
-    short, long = args.tokens
-    result: dict[str, Any] = {"calls": args.calls, "tokens": [short, long], "contexts": {}}
+    tokens = (args.tokens[0], args.tokens[1])
+    result: dict[str, Any] = {"calls": args.calls, "tokens": list(tokens), "contexts": {}}
     for context in args.contexts:
-        batch = prompts(args.calls, context)
-        for method in methods.values():
-            method(batch[:2], 2)  # warm up
-        per_token: dict[str, list[float]] = {name: [] for name in methods}
-        for round_index in range(args.rounds):
-            order = list(methods) if round_index % 2 == 0 else list(methods)[::-1]
-            for name in order:
-                t_short = methods[name](batch, short)
-                t_long = methods[name](batch, long)
-                per_token[name].append((t_long - t_short) / ((long - short) * args.calls))
-        medians = {name: statistics.median(values) for name, values in per_token.items()}
-        reference = medians["transformers_static_generate"]
-        result["contexts"][str(context)] = {
-            "ms_per_token": {name: round(v * 1000, 3) for name, v in medians.items()},
-            "rounds_ms_per_token": {
-                name: [round(v * 1000, 3) for v in values] for name, values in per_token.items()
-            },
-            "vs_transformers_static": {
-                name: round(v / reference, 2) for name, v in medians.items()
-            },
-        }
+        per_token = per_token_rounds(methods, prompts(args.calls, context), tokens, args.rounds)
+        result["contexts"][str(context)] = summary(per_token, "transformers_static_generate")
         print(context, result["contexts"][str(context)]["ms_per_token"], flush=True)
     for runtime in runtimes.values():
         runtime.close()
+    result["verification_round"] = verification_rounds(args.contexts, args.calls, args.rounds)
+    result["drafted"] = drafted_rounds(args.contexts, args.calls, tokens, args.rounds)
     path = write_result(
         result, args.out, f"batched-decode_llama-12x256_{args.calls}-calls", started
     )

@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ...decoding.costs import forward_timer, time_lengths
 from ...decoding.engine import align_vocab, crop_to
 from ...decoding.tree import row_depths, tree_mask
+from .attention import choose_attention, is_sdpa
 from .compiled import CompiledStep, ensure_room, fill_static, is_static
 from .head import restricted_logits
 from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
@@ -108,6 +109,11 @@ class ModelRunner:
         self.model = model
         self.prefill_twin = prefill_twin
         """Where long forwards run in another dtype (``PrefillTwin``; None: all in the model's)."""
+        self.attention = choose_attention(model)
+        """The model's attention (``attention.choose_attention``: sdpa's, or sdpa over grouped
+        key/value heads in place where that measured faster for masked forwards)."""
+        if prefill_twin is not None:
+            choose_attention(prefill_twin.model)
         self._dtype = next(model.parameters()).dtype
         self._kernels = kernels or LinearPlan()
         self._settled = kernels is not None
@@ -339,7 +345,7 @@ class ModelRunner:
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
         if implementation == "eager":
             return self._dtype
-        return None if implementation == "sdpa" else "other"
+        return None if is_sdpa(implementation) else "other"
 
     @property
     def slots(self) -> SlotPool | None:
