@@ -5,7 +5,8 @@ together, at a short and at an agent-sized context, against transformers' own ba
 The model is small enough that a step is bound by the framework, not by arithmetic (as a GPU
 step is): a seeded random Llama, 12 layers, hidden 256. specagent runs 16 concurrent greedy calls
 through the public runtime (plain steps: the cost of a batched round, not of drafting), with each
-call's KV in the runner's slot pool (``kv_slots=True``, the default) and in an ordinary cache
+call's KV in the runner's slot pool (``kv_slots=True``, the default), the same with compiled
+forwards over the slots (``engines.transformers.compiled``, forced on), and in an ordinary cache
 per call (``kv_slots=False``); transformers runs the same 16 prompts as one left-padded batch
 with ``cache_implementation="static"``. Each side is timed at two output lengths, and the cost
 of one output token is the difference over the extra tokens (the prefill cancels out); methods
@@ -28,6 +29,7 @@ import argparse
 import copy
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specagent import Policy, SpecRuntime
 from specagent.bench import write_result
 from specagent.engines.transformers import ModelRunner
+from specagent.machine import ProbeStore
 
 PLAIN = Policy(
     name="plain", description="plain greedy steps", mode="lossless", drafter={"kind": "none"}
@@ -119,7 +122,7 @@ def per_token_rounds(
     """Seconds per output token of each method, a value per round (methods taking turns)."""
     short, long = tokens
     for method in methods.values():
-        method(batch[:2], 2)  # warm up
+        method(batch, 2)  # warm up (and compile every batch size a round meets)
     per_token: dict[str, list[float]] = {name: [] for name in methods}
     for round_index in range(rounds):
         order = list(methods) if round_index % 2 == 0 else list(methods)[::-1]
@@ -181,6 +184,8 @@ def drafted_rounds(
     draft = copy.deepcopy(target)
     runtime = SpecRuntime(target, draft, policies=[DRAFTED], device="cpu", prefix_cache_tokens=0)
     runtime.eos_token_ids = []
+    specagent_seconds(runtime, prompts(2, 32), 2, policy="drafted")
+    runtime.wait_measured()
     chosen = target.config._attn_implementation
 
     def with_attention(name: str) -> Any:
@@ -220,8 +225,17 @@ def main() -> None:
         )
         for name, slots in (("specagent_slots", True), ("specagent_per_call_caches", False))
     }
+    # The slots with compiled forwards, as on a machine that recorded them as faster (forced).
+    recorded = ProbeStore(Path(tempfile.mkdtemp()))
+    key = runtimes["specagent_slots"]._engine.target_runner.speed_key()  # type: ignore[union-attr]
+    recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})
+    runtimes["specagent_slots_compiled"] = SpecRuntime(
+        model, policies=[PLAIN], device="cpu", prefix_cache_tokens=0, probe_store=recorded
+    )
     for runtime in runtimes.values():
         runtime.eos_token_ids = []
+        specagent_seconds(runtime, prompts(2, 32), 2)
+        runtime.wait_measured()  # the step-cost measurement runs between rounds: not in them
     methods = {
         **{
             name: (lambda b, n, rt=rt: specagent_seconds(rt, b, n)) for name, rt in runtimes.items()

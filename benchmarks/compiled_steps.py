@@ -1,12 +1,12 @@
-"""Compiled single-token steps over static KV caches against eager steps, on this machine. Writes
-JSON to benchmarks/results/.
+"""Compiled forwards over the KV slots against eager ones, on this machine. Writes JSON to
+benchmarks/results/.
 
     python benchmarks/compiled_steps.py            # the Qwen2.5-Coder pair, dtype auto
     python benchmarks/compiled_steps.py --max-new-tokens 32 --prompts code json
 
 Per model (the 1.5B target, the 0.5B draft, each in the dtype ``auto`` picks): what
-``decoding.compiled.choose_compiled_step`` measures to decide (eager step over a dynamic cache,
-compiled step over a static one, the compile time) at a short and an agent-length context. Then
+``engines.transformers.compiled.choose_compiled_step`` measures to decide (an eager step over a
+slot, the compiled one, the compile time) at a short and an agent-length context. Then
 end to end, on the bench prompts, greedy, in one process with the same model objects: plain
 ``generate``, specagent lossless with the draft model with eager steps, and the same with
 compiled steps on both models (forced on, whatever the decision, to see what it would buy);
@@ -28,7 +28,7 @@ from specagent import Policy, SpecRuntime
 from specagent.bench import PROMPTS, baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
 from specagent.engines.transformers import ModelRunner
-from specagent.engines.transformers.compiled import STATIC_TOKENS, choose_compiled_step
+from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
 from specagent.machine import ProbeStore
 
 POLICY = Policy(
@@ -57,7 +57,7 @@ def main() -> None:
     for role, model in (("target", eager.target), ("draft", eager.draft)):
         for context in (64, 1024):
             # The measurement choose_compiled_step makes at load, on a runner of its own.
-            runner = ModelRunner(model, vocab_size=vocab)
+            runner = ModelRunner(model, vocab_size=vocab, slots=True)
             choice = choose_compiled_step(runner, key="", store=None, context_tokens=context)
             steps[f"{role}, {context}-token context"] = choice.to_json()
             print(role, context, choice.reason, f"(compiled in {choice.compile_seconds} s)")
@@ -121,7 +121,7 @@ def main() -> None:
         "target": args.target,
         "draft": args.draft,
         "precision": dtypes_of(eager),
-        "static_cache_slots": STATIC_TOKENS,
+        "compiled_widths": list(WIDTHS),
         "max_new_tokens": n,
         "step_decision": steps,
         "end_to_end": rows,

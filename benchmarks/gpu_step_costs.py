@@ -11,14 +11,15 @@ forwards do not depend on the weights' values; acceptance does, so it is control
    draft (acceptance ~0), tokens/s of plain ``generate``, transformers assisted generation and
    specagent, same prompts, same process; plus prompt lookup on a repetitive prompt;
 4. greedy equality of specagent's output with plain greedy decoding;
-5. compiled steps (``decoding.compiled``): each model's single-token step eager against
-   ``torch.compile`` over a static KV cache, as ``SpecRuntime(compile_steps=True)`` decides, and
-   specagent with the draft model end to end with compiled steps on both models against eager,
-   outputs compared;
+5. compiled forwards (``engines.transformers.compiled``: fixed-shape forwards over the KV
+   slots, CUDA graphs on CUDA): each model's single-token step eager against compiled, as
+   ``SpecRuntime(compile_steps=True)`` decides, and specagent with the draft model end to end
+   with compiled forwards on both models against eager, outputs compared;
 6. streams: plain greedy calls through the public runtime (each call's KV in a slot of the
    runner's pool, concurrent calls in one batched forward per round), one call and 16 at once,
-   against transformers' ``generate`` with a static cache (which compiles its step on CUDA) on
-   one prompt and on the 16 as a batch; one call's tokens against transformers' greedy ones.
+   eager and compiled, against transformers' ``generate`` with a static cache (which compiles
+   its step on CUDA) on one prompt and on the 16 as a batch; one call's tokens against
+   transformers' greedy ones.
 
     python benchmarks/gpu_step_costs.py --out benchmarks/results/gpu-step-costs_h200.json
     python benchmarks/gpu_step_costs.py --tiny   # a CPU smoke run of the same code paths
@@ -31,6 +32,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,7 @@ from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.compiled import choose_compiled_step
+from specagent.machine import ProbeStore
 
 # Real configs (config.json of the Qwen2.5 instruct checkpoints), written out: no hub here.
 QWEN_7B = {
@@ -296,9 +299,12 @@ def loop_overhead(target: Any, draft: Any, device: torch.device, new: int, repea
 
 
 def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> dict:
-    """What compiling single-token steps buys here, and whether it keeps the tokens."""
+    """What compiled forwards over slots buy here, and whether they keep the tokens."""
     vocab = ModelRunner(target).vocab_size
-    runners = {"target": ModelRunner(target), "draft": ModelRunner(draft, vocab_size=vocab)}
+    runners = {
+        "target": ModelRunner(target, slots=True),
+        "draft": ModelRunner(draft, vocab_size=vocab, slots=True),
+    }
     out: dict[str, Any] = {
         role: choose_compiled_step(runner, key="", store=None, context_tokens=512).to_json()
         for role, runner in runners.items()
@@ -308,7 +314,10 @@ def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> d
     results = {}
     for mode in ("eager", "compiled"):
         # A pair of runners per mode, as an engine builds them with and without the decision.
-        runners = {"target": ModelRunner(target), "draft": ModelRunner(draft, vocab_size=vocab)}
+        runners = {
+            "target": ModelRunner(target, slots=True),
+            "draft": ModelRunner(draft, vocab_size=vocab, slots=True),
+        }
         if mode == "compiled":
             for runner in runners.values():
                 runner._use_compiled(runner.compiler())  # the decision, forced for the experiment
@@ -329,13 +338,29 @@ def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> d
 
 
 def streams(target: Any, device: torch.device, new: int, calls: int, repeats: int) -> dict:
-    """Tokens/s of one call and of ``calls`` at once, specagent against transformers."""
+    """Tokens/s of one call and of ``calls`` at once, specagent (eager and compiled forwards)
+    against transformers."""
     runtime = SpecRuntime(target, policies=[PLAIN], device=device.type, prefix_cache_tokens=0)
     runtime.eos_token_ids = []  # random weights: every call runs to its length
+    # A runtime as on a machine that recorded compiled forwards as faster (forced here).
+    recorded = ProbeStore(Path(tempfile.mkdtemp()))
+    assert runtime._engine.target_runner is not None
+    key = runtime._engine.target_runner.speed_key()
+    recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})
+    compiled = SpecRuntime(
+        target,
+        policies=[PLAIN],
+        device=device.type,
+        prefix_cache_tokens=0,
+        probe_store=recorded,
+    )
+    compiled.eos_token_ids = []
     batch = [[(i * 131 + j * 7) % 1000 + 3 for j in range(128)] for i in range(calls)]
     methods = {
         "specagent_1": (1, lambda: specagent_seconds(runtime, batch[:1], new)),
         f"specagent_{calls}": (calls, lambda: specagent_seconds(runtime, batch, new)),
+        "specagent_compiled_1": (1, lambda: specagent_seconds(compiled, batch[:1], new)),
+        f"specagent_compiled_{calls}": (calls, lambda: specagent_seconds(compiled, batch, new)),
         "transformers_static_1": (1, lambda: transformers_seconds(target, batch[:1], new)),
         f"transformers_static_{calls}": (calls, lambda: transformers_seconds(target, batch, new)),
     }
@@ -353,10 +378,14 @@ def streams(target: Any, device: torch.device, new: int, calls: int, repeats: in
             return None
         return round(rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"], 3)
 
-    rows[f"specagent_{calls}_vs_1"] = ratio(f"specagent_{calls}", "specagent_1")
-    rows["specagent_vs_transformers_static_1"] = ratio("specagent_1", "transformers_static_1")
-    rows[f"specagent_vs_transformers_static_{calls}"] = ratio(
-        f"specagent_{calls}", f"transformers_static_{calls}"
+    for ours in ("specagent", "specagent_compiled"):
+        rows[f"{ours}_{calls}_vs_1"] = ratio(f"{ours}_{calls}", f"{ours}_1")
+        rows[f"{ours}_vs_transformers_static_1"] = ratio(f"{ours}_1", "transformers_static_1")
+        rows[f"{ours}_vs_transformers_static_{calls}"] = ratio(
+            f"{ours}_{calls}", f"transformers_static_{calls}"
+        )
+    compiled_one = compiled.generate_sync(
+        batch[0], policy="plain", max_new_tokens=new, temperature=0.0
     )
     ours = runtime.generate_sync(batch[0], policy="plain", max_new_tokens=new, temperature=0.0)
     theirs = hf_generate(target, batch[0], new, cache_implementation="static")
@@ -365,7 +394,9 @@ def streams(target: Any, device: torch.device, new: int, calls: int, repeats: in
     )
     rows["greedy_equal_to_transformers"] = differs_at is None
     rows["first_difference_at"] = differs_at  # bf16 near-ties may part the two after a while
+    rows["compiled_equal_to_eager"] = compiled_one.token_ids == ours.token_ids
     runtime.close()
+    compiled.close()
     return rows
 
 

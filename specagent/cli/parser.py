@@ -394,7 +394,7 @@ def _compile_option(parser: argparse.ArgumentParser) -> None:
         "--compile-steps",
         default="auto",
         choices=["auto", "on", "off"],
-        help="single-token steps compiled over static KV caches where measured faster: auto "
+        help="few-token forwards compiled over the KV slots where measured faster: auto "
         "measures on CUDA and elsewhere reuses this machine's earlier decision; on measures "
         "here (minutes on a small CPU, once per machine); off keeps eager steps",
     )

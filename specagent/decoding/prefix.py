@@ -190,8 +190,8 @@ class PrefixCache:
 
 def _kept(cache: Any, copied: bool) -> Any:
     """What an entry keeps of ``cache``: a copy, or (``copied=False``) the cache itself, unless
-    the engine makes its own kept copies (``kept_copy``: a transformers static cache keeps an
-    ordinary one cut to its length, not all its slots)."""
+    the engine makes its own kept copies (``kept_copy``: a call's KV slot keeps an ordinary
+    transformers cache of its length, not the pool's buffers)."""
     own = getattr(cache, "kept_copy", None)
     if own is not None:
         return own()

@@ -130,7 +130,7 @@ def tree_mask(
     row_parents: list[int], cached: int, dtype: torch.dtype | None, width: int | None = None
 ) -> torch.Tensor:
     """The ``[1, 1, rows, width]`` attention mask of a tree forward (``width``: at least
-    ``cached + rows``, the key length the attention sees; a static cache's slots): every row
+    ``cached + rows``, the key length the attention sees): every row
     sees the ``cached`` positions and its own ancestors (itself included), nothing after them.
     ``dtype=None`` gives a boolean mask (True: attend), a float dtype an additive one (0 or the
     dtype's minimum)."""

@@ -310,8 +310,8 @@ class SpecRuntime:
 
     @property
     def compiled_steps(self) -> dict[str, dict[str, Any]]:
-        """Per model (``target``, ``draft``): whether its single-token steps run compiled over
-        static KV caches, and the measurement that decided it (``engines.transformers.compiled``).
+        """Per model (``target``, ``draft``): whether its few-token forwards run compiled over
+        its KV slots, and the measurement that decided it (``engines.transformers.compiled``).
         Set by the ``compile_steps`` option: ``None`` (default) measures on CUDA and elsewhere
         reuses this machine's earlier decision, ``True`` measures where none is recorded, ``False``
         keeps eager steps (then this is empty)."""

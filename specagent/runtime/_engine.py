@@ -78,7 +78,7 @@ class Engine:
             self.draft_runner, self.step_choices["draft"] = runner_for(
                 draft, vocab_size, **draft_options
             )
-        # Per model: whether single-token steps run compiled (the transformers engine's
+        # Per model: whether few-token forwards run compiled (the transformers engine's
         # ``compiled.StepChoice``; nothing where steps stay eager or another engine runs).
         self.step_choices = {k: v for k, v in self.step_choices.items() if v is not None}
         self.shallow_runners: dict[int, Runner] = {}

@@ -26,7 +26,6 @@ from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
 from specagent.decoding.tree import DraftTree, keep_path, tree_mask, verify_tree
 from specagent.engines.transformers import ModelRunner
-from specagent.engines.transformers.compiled import is_static, new_static
 
 
 def test_drafts_merge_into_a_trie_and_keep_their_order_of_tries() -> None:
@@ -97,27 +96,6 @@ def test_a_tree_forward_equals_each_drafts_chain_and_keeps_the_accepted_path(
     torch.testing.assert_close(
         runner.forward([40, 3], in_tree), runner.forward([40, 3], reference), atol=1e-5, rtol=1e-5
     )
-
-
-def test_a_tree_over_a_static_cache_equals_one_over_a_dynamic_cache() -> None:
-    """Where single-token steps run compiled, caches are static (preallocated slots): the tree
-    forward masks the unused slots, keeps the path in place and grows the cache as needed."""
-    model = make_model(50, layers=2, seed=1)
-    runner = ModelRunner(model)
-    context = [5, 6, 7, 8, 9, 10]
-    static, dynamic = new_static(model.config, 16), runner.new_cache()
-    assert static is not None
-    assert is_static(static)
-    tree = DraftTree.of([Proposal([11, 12, 13]), Proposal([11, 14, 15, 16]), Proposal([20, 21])])
-    logits = []
-    for cache in (static, dynamic):
-        runner.forward(context[:-1], cache)
-        logits.append(runner.forward([context[-1], *tree.tokens], cache, tree=tree.row_parents()))
-        keep_path(cache, len(context) - 1, tree.chains[1])
-        assert int(cache.get_seq_length()) == len(context) + 4
-        logits.append(runner.forward(list(range(3, 14)), cache))  # past the 16 slots: grown
-    torch.testing.assert_close(logits[0], logits[2], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[1], logits[3], atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_walk_follows_the_targets_choice_through_the_branches() -> None:

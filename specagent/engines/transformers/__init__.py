@@ -7,7 +7,11 @@ the machine at hand, each decided once and then fixed:
 - ``precision``: the dtype each model runs in, measured at load (an int8-weight draft
   (``quantized``), a draft's long forwards through a twin in another dtype);
 - ``head``: a draft's logits projected onto its head's frequent rows only;
-- ``compiled``: single-token steps compiled over static caches, where measured faster;
+- ``slots``: each call's KV in a slot of one preallocated pool, batched rounds in place;
+- ``compiled``: few-token forwards compiled over the slots (CUDA graphs on CUDA), where
+  measured faster;
+- ``attention``: grouped-query attention under a mask without copying the KV per query head,
+  where measured faster;
 - ``kernels``: per forward length, torch's linear kernels, a transposed form or oneDNN-packed
   weights, chosen by the runner's first ``tune``.
 

@@ -91,14 +91,14 @@ def choose_attention(model: Any) -> str | None:
     """Switch ``model`` (sdpa attention, grouped query heads) to ``grouped_sdpa`` where a masked
     forward of several tokens measures faster so on its device and head shape; returns the
     attention it runs with (None: not a model this applies to, left as it is)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     if implementation == NAME:
         return NAME
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    hidden = getattr(config, "hidden_size", None)
-    if implementation != "sdpa" or not isinstance(heads, int) or not isinstance(hidden, int):
+    heads: Any = getattr(config, "num_attention_heads", None)
+    kv_heads: Any = getattr(config, "num_key_value_heads", None) or heads
+    hidden: Any = getattr(config, "hidden_size", None)
+    if implementation != "sdpa" or not all(isinstance(n, int) for n in (heads, kv_heads, hidden)):
         return implementation
     if kv_heads >= heads or heads % kv_heads:
         return implementation

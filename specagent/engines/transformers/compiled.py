@@ -1,191 +1,249 @@
-"""Static KV caches and compiled single-token steps, switched on only where they measure faster.
+"""Compiled fixed-shape forwards over the KV slot pool, switched on only where they measure faster.
 
-A decoding step that feeds one token (every draft-model step, every plain step of the target)
-runs the same small graph thousands of times per call. Two things can make it cheaper: a
-preallocated ("static") KV cache that is written in place instead of grown by concatenation, and
-``torch.compile`` of the forward over that cache (inductor fuses the elementwise work between
-the matrix products; on CUDA, graph capture removes the launch overhead that dominates a small
-model's step). Neither is a law. Measured on a 2-core AMD EPYC (AVX2, bf16 emulated;
-``benchmarks/compiled_steps.py``), the bf16 0.5B Qwen draft's single-token step took 0.164 s
-eager and 0.228 s compiled over a 2,048-slot static cache, the float32 1.5B target's 0.915 s
-and 0.968 s, after 76 s and 101 s of compiling; a preallocated cache alone changed nothing.
-So ``choose_compiled_step`` compiles, checks that the compiled step gives the eager step's
-tokens, times both, keeps the compiled step only where it is clearly faster, and records the
-decision per machine and model shape, so a machine where it loses never compiles again.
+A decoding step feeds a few tokens per call (one for a draft's step or a plain step, k + 1 for
+a verification) and runs the same small graph thousands of times per call. ``torch.compile``
+can make it cheaper: inductor fuses the elementwise work between the matrix products, and on
+CUDA graph capture (``mode="reduce-overhead"``) removes the per-kernel launch cost that
+dominates a small model's step on a GPU. Both need fixed shapes and, for graphs, fixed
+addresses, which per-call caches do not have. The slot pool (``slots``) does: one buffer per
+layer for all calls. So a compiled forward here is a forward over a prefix of the pool's slots:
 
-How it fits the rest of the core: a runner with a ``CompiledStep`` hands out static caches
-(``StaticCache`` of ``STATIC_TOKENS`` slots) and runs single-token forwards over them compiled;
-every other forward (prefills, verifications, batched rounds) runs eagerly over the same cache.
-Static layers crop by moving their length back (the stale slots are overwritten, and the causal
-mask hides them until then), which is what rolling back rejected drafts needs. A call that outgrows
-its cache gets a larger one in place and runs eagerly from then on. The prefix cache keeps
-static caches as ordinary ones cut to their length (``as_dynamic``), and a kept prefix is
-copied into a static cache when a call starts from it (``fill_static``).
+- its batch is the pool's first ``rows`` slots (a power of two covering every slot in the
+  round: the runtime hands out the lowest free slot, so concurrent calls keep to the first rows)
+  and its width a bucket of ``WIDTHS`` (the most new tokens of any row, padded up); a slot with
+  nothing to feed this round is a padding row that writes back what its positions held;
+- each row writes its new keys and values at its own positions and attends over the whole
+  capacity of its slot under a per-row mask built inside the graph from two small tensors
+  (each row's start and count), so calls at any length share one graph per (rows, width);
+- each bucket has its own compiled function (its own code object, so its own dynamo cache):
+  recompiling happens only when the pool itself grows (more slots or positions; the pool does
+  not shrink back while steps run compiled);
+- wider forwards (prompts) and token trees run eagerly over the same slots.
 
-CUDA graphs (``mode="reduce-overhead"``) need the KV buffers at fixed addresses, one graph per
-buffer; per-call caches give every call new addresses, so that needs a pool of cache slots
-reused across calls. It is not built: no GPU was at hand to measure what it buys.
+Neither gain is a law. Measured on a 2-core AMD EPYC (``benchmarks/compiled_steps.py``, before
+this design, over per-call static caches), the 0.5B Qwen draft's compiled single-token step took
+0.228 s against 0.164 s eager, after 76 s of compiling. So ``choose_compiled_step`` compiles,
+checks that compiled steps give the eager steps' tokens, times both, keeps the compiled forwards
+only where they are clearly faster, and records the decision per machine and model shape, so a
+machine where it loses never compiles again.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import math
+import threading
 import time
-from collections.abc import Callable
+import types
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .slots import SlotPool, SlotSequence
 
 __all__ = [
-    "STATIC_TOKENS",
-    "CompiledStep",
-    "StaticKV",
+    "MIN_GAIN",
+    "WIDTHS",
+    "CompiledSlots",
     "StepChoice",
-    "as_dynamic",
     "choose_compiled_step",
-    "fill_static",
-    "is_static",
+    "serial_forwards",
 ]
 
-STATIC_TOKENS = 2048
-"""Slots of a static cache: one compiled graph serves every cache of this size. A call longer
-than this grows its cache and runs eagerly from then on. A static cache holds all its slots
-whatever the call's length (the float32 1.5B Qwen target: 117 MB, the bf16 0.5B draft: 25 MB),
-the price of a step with fixed shapes. Every call of a runner with compiled steps gets one, so
-which path a call's forwards take depends on the call alone, never on how many others run
-(which a reproducible policy needs)."""
+WIDTHS = (1, 2, 4, 8, 16)
+"""New tokens per row that a compiled forward takes, padded up to one of these; wider forwards
+(prompts, drafts of more than 15 tokens) run eagerly."""
 MIN_GAIN = 0.92
-"""The compiled step is kept only where it takes less than this share of the eager step."""
+"""The compiled forwards are kept only where a step takes less than this share of the eager one."""
 
 
-class _Layer(StaticLayer):
-    """A static layer whose buffers are not marked as fixed addresses: a marked address is part
-    of the compiled graph's guards, so every call's new cache would compile again."""
+_SERIAL = threading.RLock()
+_COMPILED: weakref.WeakSet[CompiledSlots] = weakref.WeakSet()
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
-        shape = (self.batch_size, self.num_heads, self.max_cache_len)
-        self.keys = key_states.new_zeros((*shape, self.k_head_dim))
-        self.values = value_states.new_zeros((*shape, self.v_head_dim))
-        self.cumulative_length = self.cumulative_length.to(self.device)
+
+def serial_forwards() -> contextlib.AbstractContextManager[Any]:
+    """What every runner's forward holds: one process-wide lock while any runner in the process
+    runs compiled forwards, else nothing. A compiled graph replays, after it runs, the writes to
+    module-level state that it traced (transformers' hub-kernel wrapper keeps its active kernels
+    in one, switched to a plain global while compiling); an eager forward in another thread (a
+    second runtime) reading that state mid-way fails. Forwards of one process then take turns,
+    which on one accelerator or a few cores they mostly do anyway."""
+    return _SERIAL if _COMPILED else contextlib.nullcontext()
+
+
+class _PoolLayer(CacheLayerMixin):
+    """One layer of a ``_PoolView``: writes each active row's new keys and values at its own
+    positions (a padding row writes back what it read) and returns the rows' whole slots."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, view: _PoolView, index: int) -> None:
+        super().__init__()
+        self.view = view
+        self.index = index
         self.is_initialized = True
 
-    def grow(self, capacity: int) -> None:
-        """Make room for ``capacity`` positions, keeping what is cached."""
-        if capacity <= self.max_cache_len:
-            return
-        if self.is_initialized:
-            grown = []
-            for held in (self.keys, self.values):
-                assert held is not None
-                new = held.new_zeros((*held.shape[:2], capacity, held.shape[3]))
-                new[:, :, : self.max_cache_len] = held
-                grown.append(new)
-            self.keys, self.values = grown
-        self.max_cache_len = capacity
-
-
-def is_static(cache: Any) -> bool:
-    """Whether ``cache`` is a static cache made here (every layer a preallocated one)."""
-    layers = getattr(cache, "layers", None) or []
-    return bool(layers) and all(isinstance(layer, _Layer) for layer in layers)
-
-
-class StaticKV(StaticCache):
-    """A static cache made here. The prefix cache keeps it as an ordinary cache cut to its
-    length (``kept_copy``), not with all its slots."""
-
-    def kept_copy(self) -> DynamicCache:
-        return as_dynamic(self)
-
-
-def new_static(config: Any, capacity: int) -> StaticCache | None:
-    """A static cache of ``capacity`` slots for a model of ``config``; None for models with other
-    layer types (sliding windows, linear attention), which keep dynamic caches."""
-    cache = StaticKV(config=config, max_cache_len=capacity)
-    if not all(type(layer) is StaticLayer for layer in cache.layers):
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
-    cache.layers = [_Layer(max_cache_len=capacity) for _ in cache.layers]
-    return cache
 
-
-def ensure_room(cache: StaticCache, new_tokens: int) -> None:
-    """Grow a static cache (doubling) so that ``new_tokens`` more positions fit."""
-    needed = int(cache.get_seq_length()) + new_tokens
-    layers: list[Any] = list(cache.layers)
-    capacity = layers[0].max_cache_len
-    if needed <= capacity:
-        return
-    while capacity < needed:
-        capacity *= 2
-    for layer in layers:
-        layer.grow(capacity)
-
-
-def as_dynamic(cache: Any) -> DynamicCache:
-    """An ordinary cache holding a copy of what a static cache holds (its length, not its
-    slots); other caches are deep-copied."""
-    if not is_static(cache):
-        return copy.deepcopy(cache)
-    length = int(cache.get_seq_length())
-    out = DynamicCache()
-    for index, layer in enumerate(cache.layers):
-        if layer.is_initialized and length:
-            out.update(
-                layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), index
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        view = self.view
+        keys, values = view.pool.keys[self.index], view.pool.values[self.index]
+        rows, width = key_states.shape[0], key_states.shape[2]
+        device = key_states.device
+        position = view.starts[:, None] + torch.arange(width, device=device)[None, :]
+        row = torch.arange(rows, device=device)[:, None].expand(rows, width)
+        active = (view.counts > 0)[:, None, None, None]
+        for held, new in ((keys, key_states), (values, value_states)):
+            held[row, :, position] = torch.where(
+                active, new.transpose(1, 2), held[row, :, position]
             )
-    return out
+        return keys[:rows], values[:rows]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.view.pool.capacity, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # positions come with the forward; nothing reads the cache's own length
+
+    def get_max_length(self) -> int:
+        return self.view.pool.capacity
 
 
-def fill_static(cache: StaticCache, source: DynamicCache) -> None:
-    """Write what ``source`` (an ordinary cache) holds into an empty static cache."""
-    length = int(source.get_seq_length())
-    if length == 0:
-        return
-    ensure_room(cache, length)
-    for index, layer in enumerate(source.layers):
-        held: Any = layer
-        cache.update(held.keys, held.values, index)
+class _PoolView(Cache):
+    """The ``Cache`` a compiled forward sees: the pool's first ``rows`` slots, with each row's
+    start and count of new tokens in tensors that keep their addresses between forwards."""
+
+    def __init__(self, pool: SlotPool, rows: int) -> None:
+        self.pool = pool
+        self.starts = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        self.counts = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        super().__init__(layers=[_PoolLayer(self, i) for i in range(pool.layers)])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _PoolView:  # pragma: no cover - never kept
+        raise TypeError("a pool view lives inside a compiled forward; keep the SlotSequences")
 
 
-class CompiledStep:
-    """A runner's compiled single-token forward over static caches of ``capacity`` slots."""
+def _hidden_states(
+    body: torch.nn.Module, cache_kw: str, mask_dtype: Any, ids: torch.Tensor, view: _PoolView
+) -> torch.Tensor:
+    """The decoder body over ``ids`` ``[rows, width]`` after the view's slots: ``[rows, width,
+    hidden]``. Row ``b``'s query ``j`` sees its slot up to ``start + min(j, count - 1)``; a
+    padding row sees its first position (its output is dropped; all-masked rows give NaN)."""
+    width = ids.shape[1]
+    device = ids.device
+    capacity = view.pool.capacity
+    query = torch.arange(width, device=device)
+    positions = view.starts[:, None] + query[None, :]
+    last = torch.minimum(query[None, :], (view.counts - 1).clamp(min=0)[:, None])
+    keys = torch.arange(capacity, device=device)
+    mask = (keys[None, None, :] <= (view.starts[:, None] + last)[:, :, None])[:, None]
+    if mask_dtype is not None:  # eager attention adds its mask
+        lowest = torch.finfo(mask_dtype).min
+        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=device).masked_fill(~mask, lowest)
+    out = body(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_kw: view},
+    )
+    return out.last_hidden_state
 
-    def __init__(self, model: torch.nn.Module, cache_kw: str, capacity: int = STATIC_TOKENS):
-        self.model = model
-        self.capacity = capacity
+
+class CompiledSlots:
+    """A runner's compiled forwards over its slot pool, one compiled function per (rows, width)
+    bucket, compiled at its first use."""
+
+    def __init__(
+        self,
+        body: torch.nn.Module,
+        pool: SlotPool,
+        *,
+        cache_kw: str,
+        mask_dtype: torch.dtype | None,
+        backend: str | Callable[..., Any] = "inductor",
+    ) -> None:
+        self.body = body
+        self.pool = pool
         self._cache_kw = cache_kw
-        self._compiled: Callable[..., Any] = torch.compile(model.forward, dynamic=False)
-
-    def new_cache(self) -> StaticCache | None:
-        """A static cache (None where the model's layers are not plain full attention)."""
-        return new_static(self.model.config, self.capacity)
-
-    def fits(self, cache: Any) -> bool:
-        """Whether one more token over ``cache`` can take the compiled step."""
-        if not is_static(cache):
-            return False
-        layer: Any = cache.layers[0]
-        return layer.max_cache_len == self.capacity and int(cache.get_seq_length()) < self.capacity
-
-    def step(self, token: int, cache: StaticCache, device: torch.device) -> torch.Tensor:
-        """Logits ``[1, V]`` (model dtype) after feeding ``token`` over ``cache``."""
-        ids = torch.tensor([[token]], dtype=torch.long, device=device)
-        out = self._compiled(
-            input_ids=ids, **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1
+        self._mask_dtype = mask_dtype
+        self._backend = backend
+        self._mode = (
+            "reduce-overhead" if pool.device.type == "cuda" and backend == "inductor" else None
         )
-        return out.logits[0, -1:]
+        self._views: dict[int, _PoolView] = {}
+        self._functions: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
+        self._marked: torch.Tensor | None = None
+        pool.shrinks = False  # a shrunken pool would compile every bucket again
+        _COMPILED.add(self)
+
+    @staticmethod
+    def fits(widest: int) -> bool:
+        """Whether a forward whose widest row feeds ``widest`` tokens runs compiled."""
+        return 1 <= widest <= WIDTHS[-1]
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """The (rows, width) buckets compiled so far."""
+        return sorted(self._functions)
+
+    def hidden(
+        self, sequences: Sequence[SlotSequence], tokens: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, int]:
+        """Hidden states ``[rows, width, hidden]`` of feeding each ``tokens[i]`` after
+        ``sequences[i]`` (row = the sequence's slot), and the width; the new KV is written into
+        the slots (lengths are the caller's to move). Call with the pool's lock held."""
+        pool = self.pool
+        widest = max(len(t) for t in tokens)
+        width = next(w for w in WIDTHS if w >= widest)
+        pool.ensure(max(s.length for s in sequences) + width)
+        rows = 1 << (max(s.slot for s in sequences)).bit_length()
+        rows = min(rows, pool.slots)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        starts = torch.zeros(rows, dtype=torch.long)
+        counts = torch.zeros(rows, dtype=torch.long)
+        for sequence, fed in zip(sequences, tokens, strict=True):
+            ids[sequence.slot, : len(fed)] = torch.tensor(list(fed), dtype=torch.long)
+            starts[sequence.slot] = sequence.length
+            counts[sequence.slot] = len(fed)
+        view = self._views.get(rows)
+        if view is None:
+            view = self._views[rows] = _PoolView(pool, rows)
+        view.starts.copy_(starts)
+        view.counts.copy_(counts)
+        if self._mode is not None and self._marked is not pool.keys[0]:
+            # CUDA graphs replay over fixed addresses: the pool's buffers are such (until the
+            # pool grows, which compiles the buckets again).
+            for held in (*pool.keys, *pool.values):
+                torch._dynamo.mark_static_address(held)
+            self._marked = pool.keys[0]
+        function = self._function(rows, width)
+        hidden = function(self.body, self._cache_kw, self._mask_dtype, ids.to(pool.device), view)
+        return hidden, width
+
+    def _function(self, rows: int, width: int) -> Callable[..., torch.Tensor]:
+        """The bucket's compiled function: a copy of ``_hidden_states`` under its own code
+        object, whose dynamo cache (and recompile limit) is the bucket's alone."""
+        function = self._functions.get((rows, width))
+        if function is None:
+            code = _hidden_states.__code__.replace(co_name=f"slot_forward_{rows}x{width}")
+            fresh = types.FunctionType(code, _hidden_states.__globals__, code.co_name)
+            function = torch.compile(fresh, backend=self._backend, mode=self._mode, dynamic=False)
+            self._functions[(rows, width)] = function
+        return function
 
 
 @dataclass(frozen=True)
 class StepChoice:
-    """Whether a runner's single-token steps run compiled, and the measurements behind it."""
+    """Whether a runner's steps run compiled, and the measurements behind it."""
 
     compiled: bool
     reason: str
@@ -212,14 +270,18 @@ def choose_compiled_step(
     context_tokens: int = 64,
     steps: int = 12,
 ) -> StepChoice:
-    """Decide whether ``runner`` (a ``ModelRunner`` not handed out yet) runs its single-token
-    steps compiled, and set it up accordingly (``runner.compiled``).
+    """Decide whether ``runner`` (a ``ModelRunner`` not handed out yet) runs its few-token
+    forwards over slots compiled, and set it up accordingly (``runner.compiled``).
 
-    A decision recorded in ``store`` for this machine and model shape (``key``) is reused.
-    Otherwise, with ``measure``: compile, run ``steps`` greedy single-token steps both ways from
-    the same ``context_tokens``-token context, and keep the compiled step only if it chose the
-    same tokens and took less than ``MIN_GAIN`` of the eager time (medians). Without
-    ``measure`` and nothing recorded, steps stay eager."""
+    Only a runner whose calls hold KV slots can (``slots``). A decision recorded in ``store``
+    for this machine and model shape (``key``) is reused. Otherwise, with ``measure``: compile,
+    run ``steps`` greedy single-token steps both ways from the same ``context_tokens``-token
+    context, and keep the compiled forwards only if they chose the same tokens and took less
+    than ``MIN_GAIN`` of the eager time (medians). Without ``measure`` and nothing recorded,
+    forwards stay eager."""
+    if runner.slots is None:
+        runner._use_compiled(None)
+        return StepChoice(False, "compiled forwards run over KV slots; this runner has none")
     entry = f"compiled-step:{key}"
     stored = store.get(entry) if store is not None else None
     if isinstance(stored, dict) and isinstance(stored.get("compiled"), bool):
@@ -245,7 +307,7 @@ def _measure(runner: Any, context_tokens: int, steps: int) -> StepChoice:
     vocab = runner.vocab_size
     context = [i % max(vocab - 1, 1) + 1 for i in range(context_tokens)]
 
-    def run(compiled: CompiledStep | None) -> tuple[list[int], list[float]]:
+    def run(compiled: CompiledSlots | None) -> tuple[list[int], list[float]]:
         runner._use_compiled(compiled)
         cache = runner.new_cache()
         logits = runner.forward(context, cache, keep=1)

@@ -4,8 +4,8 @@ transformers cache, single and batched, with the tuning its model was loaded wit
 A call keeps one transformers cache per model; after a verification rejects draft tokens the
 core crops it back (``decoding.engine.crop_to``), so no step recomputes the prefix. What the
 runner does beyond a plain forward is settled once and then fixed (``tuning``): the linear
-kernels per forward length (``kernels``), a draft's head rows (``head``), a compiled
-single-token step over static caches (``compiled``), a draft's prefill twin in another dtype
+kernels per forward length (``kernels``), a draft's head rows (``head``), compiled forwards
+over the KV slots (``compiled``), a draft's prefill twin in another dtype
 (``precision``). The helpers here also hide the one API difference that matters across
 transformers versions: the cache keyword (``cache=`` in new releases, ``past_key_values=`` in
 older ones).
@@ -29,7 +29,7 @@ from ...decoding.costs import forward_timer, time_lengths
 from ...decoding.engine import align_vocab, crop_to
 from ...decoding.tree import row_depths, tree_mask
 from .attention import choose_attention, is_sdpa
-from .compiled import CompiledStep, ensure_room, fill_static, is_static
+from .compiled import CompiledSlots, serial_forwards
 from .head import restricted_logits
 from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
 from .quantized import Int8Linear
@@ -137,7 +137,7 @@ class ModelRunner:
         self._gather_checked: bool | None = None
         """Whether projecting gathered hidden states equals the model's own logits (checked
         once, on the first batch; None until then)."""
-        self._compiled: CompiledStep | None = None
+        self._compiled: CompiledSlots | None = None
         self._head_rows: int | None = None
         self._head_always = torch.tensor([], dtype=torch.long)
         if head_rows is not None:
@@ -168,9 +168,9 @@ class ModelRunner:
         return self._packed
 
     @property
-    def compiled(self) -> CompiledStep | None:
-        """The compiled single-token step over static caches, where it measured faster
-        (``compiled.choose_compiled_step``); None: eager steps over dynamic caches."""
+    def compiled(self) -> CompiledSlots | None:
+        """The compiled few-token forwards over this runner's KV slots, where they measured
+        faster (``compiled.choose_compiled_step``); None: eager forwards."""
         return self._compiled
 
     @property
@@ -212,7 +212,10 @@ class ModelRunner:
         machine can pack them and has the memory; also at ``prefill_lengths``, by default
         ``PREFILL_LENGTHS`` past the longest, since prompts run through the same layers:
         ``kernels.kernel_choice_steps``) and keep that plan; the packed copy is dropped where
-        no length chose it. Once settled, the plan only runs and is timed."""
+        no length chose it. Once settled, the plan only runs and is timed. A runner whose
+        forwards run compiled keeps torch's kernels (``_planned``) and only times."""
+        if self.compiled is not None and not self._settled:
+            self._settle(LinearPlan(), None)
         if self._settled:
             return (
                 yield from time_lengths(
@@ -274,13 +277,10 @@ class ModelRunner:
         self._packed = packed if plan.packed_rows else None  # its memory back where unused
         self._settled = True
 
-    def _use_compiled(self, step: CompiledStep | None) -> None:
-        """The compiled-step decision (``compiled.choose_compiled_step``), made before the
-        runner is handed out (``tuning.build_runner``). Compiled steps run over a static cache
-        per call, not over slots."""
-        self._compiled = step
-        if step is not None:
-            self._pool = None
+    def _use_compiled(self, compiled: CompiledSlots | None) -> None:
+        """The compiled-forwards decision (``compiled.choose_compiled_step``), made before the
+        runner is handed out (``tuning.build_runner``)."""
+        self._compiled = compiled
 
     def _use_head_rows(self, rows: int, always: Sequence[int]) -> None:
         """Project this runner's logits onto the head's first ``rows`` rows, the ``always``
@@ -327,10 +327,10 @@ class ModelRunner:
 
     def _planned(self) -> contextlib.AbstractContextManager[None]:
         """The context this runner's forwards run in: its kernel plan over its models' linear
-        modules (a compiled step keeps the plan's ``F.linear`` mode: its graph was traced
-        through it)."""
+        modules. A runner whose forwards run compiled has none (inductor picks the kernels, and
+        a plan's per-length routing would break the compiled graphs)."""
         if self.compiled is not None:
-            return self.kernels.active(self.packed)
+            return contextlib.nullcontext()
         return self.kernels.active(self.packed, self._linears)
 
     @property
@@ -353,17 +353,25 @@ class ModelRunner:
         ordinary transformers cache."""
         return self._pool
 
-    def compiler(self) -> CompiledStep:
-        """A compiled single-token step for this runner's model (compiled at its first use)."""
-        return CompiledStep(self.model, self._cache_kw)
+    def compiler(self, backend: Any = "inductor") -> CompiledSlots:
+        """Compiled forwards over this runner's KV slots (each shape compiled at its first
+        use); only for a runner with slots."""
+        if self._pool is None or self._body is None:
+            raise ValueError("compiled forwards run over KV slots; this runner has none")
+        mask_dtype = self._mask_dtype()
+        if isinstance(mask_dtype, str):
+            raise ValueError("compiled forwards need an attention that takes a custom mask")
+        return CompiledSlots(
+            self._body,
+            self._pool,
+            cache_kw=self._base_cache_kw,
+            mask_dtype=mask_dtype,
+            backend=backend,
+        )
 
     def new_cache(self) -> DynamicCache:
-        """An empty cache: a static one where this runner's steps run compiled, else an
-        ordinary one."""
-        if self.compiled is not None:
-            static = self.compiled.new_cache()
-            if static is not None:
-                return static  # type: ignore[return-value]
+        """An empty cache: a slot of this runner's pool where it has one and a slot is free,
+        else an ordinary cache."""
         if self._pool is not None:
             sequence = self._pool.acquire()
             if sequence is not None:
@@ -378,20 +386,14 @@ class ModelRunner:
 
     def adopt(self, cache: DynamicCache) -> DynamicCache:
         """``cache`` (a kept prefix's private copy) as the kind of cache this runner's calls
-        use: copied into a slot, or into a static one where steps run compiled."""
-        if self._pool is not None and self.compiled is None:
-            sequence = self._pool.acquire()
-            if sequence is None:
-                return cache
-            self._pool.fill(sequence, cache)
-            return sequence  # type: ignore[return-value]
-        if self.compiled is None:
+        use: copied into a slot where this runner's calls hold slots."""
+        if self._pool is None:
             return cache
-        own = self.new_cache()
-        if not is_static(own):
+        sequence = self._pool.acquire()
+        if sequence is None:
             return cache
-        fill_static(own, cache)  # type: ignore[arg-type]
-        return own
+        self._pool.fill(sequence, cache)
+        return sequence  # type: ignore[return-value]
 
     @torch.inference_mode()
     def forward(
@@ -409,7 +411,7 @@ class ModelRunner:
         cache); each row then sees the cache and its own ancestors, at its depth's position
         (``tree.py``; all rows' logits are returned). ``vocab``: the call's own ids beyond
         ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
-        with self._planned():
+        with serial_forwards(), self._planned():
             if tree is not None:
                 return self._masked(self._tree_forward(input_ids, cache, tree), vocab)
             return self._forward(input_ids, cache, keep, vocab)
@@ -423,10 +425,6 @@ class ModelRunner:
             return self._slot_tree_forward(input_ids, cache, parents)
         length = int(cache.get_seq_length())
         width = length + len(input_ids)
-        if is_static(cache):
-            ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
-            first: Any = cache.layers[0]
-            width = max(width, first.max_cache_len)  # the attention sees every slot
         implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
         dtype = self._dtype if implementation == "eager" else None  # eager adds; sdpa selects
         mask = tree_mask(parents, length, dtype, width)
@@ -477,16 +475,6 @@ class ModelRunner:
             return self._twin_forward(twin.model, input_ids, cache, keep, vocab)
         if isinstance(cache, SlotSequence):
             return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
-        if is_static(cache):
-            ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
-            if (
-                self.compiled is not None
-                and len(input_ids) == 1
-                and keep in (None, 1)
-                and self.compiled.fits(cache)
-            ):
-                step = self.compiled.step(input_ids[0], cache, self.device)  # type: ignore[arg-type]
-                return self._finished(self._masked(step, vocab))
         return self._run(self.model, input_ids, cache, keep, vocab)
 
     def _run(
@@ -545,8 +533,6 @@ class ModelRunner:
         if isinstance(cache, SlotSequence):
             cache.pool.fill(cache, temp, start=length)
             return logits
-        if is_static(cache):
-            ensure_room(cache, len(input_ids))  # type: ignore[arg-type]
         for index, layer in enumerate(temp.layers):
             new: Any = layer
             cache.update(
@@ -564,13 +550,25 @@ class ModelRunner:
     ) -> list[torch.Tensor]:
         """One forward over calls that hold slots of this runner's pool: each row's tokens at
         its own positions, its new keys and values written into its slot where they belong,
-        attention over the slots in place (``slots.SlotBatch``). Only the rows somebody
-        reads are projected onto the vocabulary."""
+        attention over the slots in place (``slots.SlotBatch``; compiled where this runner's
+        forwards run compiled and the rows are few, ``compiled.CompiledSlots``). Only the rows
+        somebody reads are projected onto the vocabulary."""
         assert self._pool is not None
         sequences = [cache for _, cache in requests]
         counts = [len(tokens) for tokens, _ in requests]
         widest = max(counts)
+        compiled = self.compiled
         with self._pool.lock:  # no reallocation by another thread under this forward
+            if compiled is not None and self._gather_checked and compiled.fits(widest):
+                hidden, width = compiled.hidden(sequences, [t for t, _ in requests])
+                wanted = [
+                    (sequence.slot, count - min(count, k if k is not None else count), count)
+                    for sequence, count, k in zip(sequences, counts, keeps, strict=True)
+                ]
+                logits = self._projected(hidden, wanted, width, vocabs)
+                for sequence, count in zip(sequences, counts, strict=True):
+                    sequence.length += count
+                return [self._finished(rows) for rows in logits]
             batch = SlotBatch(self._pool, sequences, widest)
             ids = torch.zeros(len(requests), widest, dtype=torch.long)
             for i, (tokens, _) in enumerate(requests):
@@ -626,7 +624,8 @@ class ModelRunner:
         )
         lengths = [int(cache.get_seq_length()) for _, cache in requests]
         try:
-            return self._forward_batch(requests, keeps, call_vocabs)
+            with serial_forwards():
+                return self._forward_batch(requests, keeps, call_vocabs)
         except BaseException:
             # All or nothing: a forward that ran before the failing one (a prompt run alone)
             # leaves no KV behind, so the caller may retry every request (the worker does, one
@@ -678,12 +677,9 @@ class ModelRunner:
                 for (tokens, cache), k, v in zip(requests, keeps, call_vocabs, strict=True)
             ]
         lengths = [int(cache.get_seq_length()) for _, cache in requests]
-        for tokens, cache in requests:
-            if is_static(cache):
-                ensure_room(cache, len(tokens))  # type: ignore[arg-type]
         counts = [len(tokens) for tokens, _ in requests]
         longest, widest, size = max(lengths), max(counts), len(requests)
-        batch_cache = self._dynamic_cache()  # a temporary copy: never a static one
+        batch_cache = self._dynamic_cache()  # a temporary copy
         if longest > 0:
             template = next(c for (_, c), n in zip(requests, lengths, strict=True) if n)
             for layer in range(len(template.layers)):
@@ -699,7 +695,6 @@ class ModelRunner:
                 for i, ((_, cache), length) in enumerate(zip(requests, lengths, strict=True)):
                     if length:
                         own: Any = cache.layers[layer]
-                        # A static layer's buffers run past its length: take the length.
                         keys[i, :, longest - length :] = own.keys[0, :, :length]
                         values[i, :, longest - length :] = own.values[0, :, :length]
                 batch_cache.update(keys, values, layer)
@@ -764,28 +759,52 @@ class ModelRunner:
             slots = isinstance(batch_cache, SlotBatch)
             reference_cache = batch_cache if slots else copy.deepcopy(batch_cache)
         hidden = base(**inputs, **{self._base_cache_kw: batch_cache}).last_hidden_state
-        index = torch.tensor(
-            [row * widest + j for row, start, stop in wanted for j in range(start, stop)],
-            dtype=torch.long,
-            device=hidden.device,
-        )
+        if not check:
+            return self._projected(hidden, wanted, widest, vocabs)
         head = self.model.get_output_embeddings()
-        gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
-        counts = [stop - start for _, start, stop in wanted]
-        if self.head_rows is not None and not check:
+        pieces = list(torch.split(head(_gathered(hidden, wanted, widest)), _counts(wanted)))
+        full = self.model(**inputs, **{self._cache_kw: reference_cache}).logits
+        self._gather_checked = all(
+            torch.allclose(piece.float(), full[row, start:stop].float(), atol=1e-3, rtol=1e-3)
+            for piece, (row, start, stop) in zip(pieces, wanted, strict=True)
+        )
+        if not self._gather_checked:
+            pieces = [full[row, start:stop] for row, start, stop in wanted]
+        return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
+
+    def _projected(
+        self,
+        hidden: torch.Tensor,
+        wanted: list[tuple[int, int, int]],
+        widest: int,
+        vocabs: Sequence[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """Logits of positions ``start:stop`` of each row ``(row, start, stop)`` of ``hidden``
+        (``[rows, widest, hidden]``): only those positions go through the head."""
+        head = self.model.get_output_embeddings()
+        gathered = _gathered(hidden, wanted, widest)
+        counts = _counts(wanted)
+        if self.head_rows is not None:
             flat = self._restricted(head, gathered, list(zip(counts, vocabs, strict=True)))
             return list(torch.split(flat, counts))
-        flat = head(gathered)
-        pieces = list(torch.split(flat, counts))
-        if check:
-            full = self.model(**inputs, **{self._cache_kw: reference_cache}).logits
-            self._gather_checked = all(
-                torch.allclose(piece.float(), full[row, start:stop].float(), atol=1e-3, rtol=1e-3)
-                for piece, (row, start, stop) in zip(pieces, wanted, strict=True)
-            )
-            if not self._gather_checked:
-                pieces = [full[row, start:stop] for row, start, stop in wanted]
+        pieces = torch.split(head(gathered), counts)
         return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
+
+
+def _gathered(
+    hidden: torch.Tensor, wanted: list[tuple[int, int, int]], widest: int
+) -> torch.Tensor:
+    """The wanted positions of ``hidden`` ``[rows, widest, H]``, one after another ``[n, H]``."""
+    index = torch.tensor(
+        [row * widest + j for row, start, stop in wanted for j in range(start, stop)],
+        dtype=torch.long,
+        device=hidden.device,
+    )
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+
+
+def _counts(wanted: list[tuple[int, int, int]]) -> list[int]:
+    return [stop - start for _, start, stop in wanted]
 
 
 def _slot_budget(device: torch.device) -> int | None:
@@ -813,9 +832,7 @@ def decoder_body(model: PreTrainedModel) -> nn.Module | None:
 
 def _plain_layers(cache: DynamicCache) -> bool:
     layers = getattr(cache, "layers", None)
-    return layers is not None and (
-        is_static(cache) or all(type(layer).__name__ == "DynamicLayer" for layer in layers)
-    )
+    return layers is not None and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
 
 def early_exit_view(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:

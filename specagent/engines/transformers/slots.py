@@ -86,6 +86,9 @@ class SlotPool:
         self.values: list[torch.Tensor] = []
         self._in_use: set[int] = set()
         self._released: collections.deque[int] = collections.deque()
+        self.shrinks = True
+        """Whether an idle pool that a burst grew goes back to its first size (not while a
+        runner's forwards run compiled over it: each size is compiled anew)."""
         self.lock = threading.RLock()
         """Held by whatever reads or writes the buffers (a forward over slots included): two
         runtimes may share one model, each from its own worker thread, and a reallocation in
@@ -123,7 +126,8 @@ class SlotPool:
         burst grew goes back to its first size first: its memory returns between bursts."""
         self._reap()
         with self.lock:
-            if not self._in_use and (self.slots, self.capacity) != self._initial:
+            grown = (self.slots, self.capacity) != self._initial
+            if not self._in_use and grown and (self.shrinks or not self.keys):
                 self.keys, self.values = [], []  # idle, or never used: its first size
                 self._allocate(*self._initial)
             free = next((s for s in range(self.slots) if s not in self._in_use), None)

@@ -2,9 +2,10 @@
 handed out.
 
 ``build_runner`` is the one place a ``ModelRunner`` is configured: a draft's head rows and its
-prefill twin (from the dtype measurement at load, ``precision``), and whether single-token steps
-run compiled (``compiled.choose_compiled_step``: measured on CUDA, elsewhere this machine's
-earlier decision). The linear kernels are the runner's own first ``tune`` (or ``restore``). Once
+prefill twin (from the dtype measurement at load, ``precision``), and whether few-token forwards
+over the KV slots run compiled (``compiled.choose_compiled_step``: measured on CUDA, elsewhere
+this machine's earlier decision). The runner itself picks its attention when it is made
+(``attention``). The linear kernels are the runner's own first ``tune`` (or ``restore``). Once
 built, nothing outside the runner changes how it runs.
 """
 
@@ -38,9 +39,10 @@ def build_runner(
     end-of-sequence ids) where that holds for this model (``head``). ``compile_steps``: None
     measures on CUDA and elsewhere reuses what this machine measured before (compiling a 1.5B
     model takes minutes on a small CPU, for a gain measured there at none); True measures where
-    nothing is recorded; False keeps eager steps. ``slots``: each call's KV in a slot of the
-    runner's pool (``slots.SlotPool``: batched rounds copy no KV), where the model's layers are
-    plain full attention and its steps do not run compiled; False: an ordinary cache per call."""
+    nothing is recorded; False keeps eager steps. Compiled forwards run over the slots only.
+    ``slots``: each call's KV in a slot of the runner's pool (``slots.SlotPool``: batched rounds
+    copy no KV), where the model's layers are plain full attention; False: an ordinary cache
+    per call."""
     runner = ModelRunner(
         model,  # type: ignore[arg-type]
         vocab_size,

@@ -1,60 +1,188 @@
-"""Static KV caches and compiled single-token steps give the eager path's tokens: forwards over a
-static cache equal those over a dynamic one (after rollbacks, growth and batching), a compiled
+"""Compiled forwards over the KV slots give the eager path's logits and tokens: random ragged
+rounds of batched forwards with rollbacks equal eager ones (one graph per shape bucket, none
+compiled again for calls of other lengths), a call that outgrows the pool continues, a compiled
 runner's speculative decoding equals the target's own greedy decode, and the runtime measures,
 records and reuses the decision."""
 
 from __future__ import annotations
 
 import copy
+import random
+import threading
 from typing import Any
 
 import anyio
 import pytest
 import torch
-from conftest import MemoryStore, hf_greedy
-from transformers import DynamicCache
+from conftest import MemoryStore, hf_greedy, make_model
 
 from specagent import Policy, SpecRuntime
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.engine import crop_to
 from specagent.decoding.loop import speculative_generate
-from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner, PrefillTwin, build_runner
-from specagent.engines.transformers.compiled import (
-    STATIC_TOKENS,
-    as_dynamic,
-    choose_compiled_step,
-    is_static,
-    new_static,
-)
+from specagent.engines.transformers.compiled import choose_compiled_step
 from specagent.machine import model_key
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox"]
+VOCAB = 64
+TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
-def test_static_cache_forwards_equal_dynamic_ones_through_rollback_and_growth(target) -> None:
-    runner = ModelRunner(target)
-    static = new_static(target.config, 32)
-    assert static is not None
-    assert is_static(static)
-    dynamic = runner.new_cache()
-    prompt = list(range(3, 23))
-    for cache in (static, dynamic):
-        runner.forward(prompt, cache, keep=1)
-    feeds = [[5], [7, 8, 9], [11], [4, 6]]
-    for step, feed in enumerate(feeds * 4):  # 20 positions + 28 fed: past the 32 slots
-        a = runner.forward(feed, static)
-        b = runner.forward(feed, dynamic)
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        assert int(static.get_seq_length()) == dynamic.get_seq_length()
-        if step % 3 == 2:  # a rejected draft: both roll back two positions
-            for cache in (static, dynamic):
-                crop_to(cache, int(cache.get_seq_length()) - 2)
-    assert static.layers[0].max_cache_len == 64  # grown by doubling, contents kept
+class Graphs:
+    """A ``torch.compile`` backend that runs each graph as traced and counts the graphs: what a
+    compile costs is beside the point here, how often one happens is the point."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        self.count += 1
+        return graph.forward
+
+
+def counted_runner(model: torch.nn.Module) -> tuple[ModelRunner, Graphs]:
+    runner = ModelRunner(model, slots=True)
+    graphs = Graphs()
+    runner._use_compiled(runner.compiler(backend=graphs))
+    return runner, graphs
+
+
+@pytest.fixture(params=["sdpa", "eager"])
+def small(request: pytest.FixtureRequest) -> torch.nn.Module:
+    """A Llama with sdpa (a boolean mask) and with eager attention (an additive one)."""
+    model = make_model(VOCAB, layers=2, seed=3, hidden=64, max_positions=4096)
+    model.config._attn_implementation = request.param
+    return model
+
+
+def test_compiled_forwards_over_slots_give_the_eager_logits(small) -> None:
+    """Six calls, twenty-five rounds: a random subset feeds 1-5 tokens (or a prompt, which runs
+    eagerly) in one batched forward, some roll back; every logit equals the eager runner's over
+    the same slots, and each (rows, width) bucket compiled one graph, never a second."""
+    rng = random.Random(0)
+    eager = ModelRunner(small, slots=True)
+    compiled, graphs = counted_runner(small)
+    caches = [(eager.new_cache(), compiled.new_cache()) for _ in range(6)]
+    for _round in range(25):
+        chosen = rng.sample(range(6), rng.randrange(1, 7))
+        feeds = [
+            [rng.randrange(1, VOCAB) for _ in range(rng.choice([1, 2, 3, 5, 40]))] for _ in chosen
+        ]
+        keeps = [rng.choice([None, 1, 2]) for _ in chosen]
+        pairs = list(zip(feeds, chosen, strict=True))
+        want = eager.forward_batch([(f, caches[i][0]) for f, i in pairs], keeps)
+        got = compiled.forward_batch([(f, caches[i][1]) for f, i in pairs], keeps)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, **TOL)
+        for i in chosen:
+            if rng.random() < 0.4:  # a rejected draft: both roll back
+                drop = rng.randrange(1, 3)
+                for cache in caches[i]:
+                    cache.crop(-drop)
+        for ordinary, slot in caches:
+            assert slot.get_seq_length() == ordinary.get_seq_length()
+    assert compiled.compiled is not None
+    assert len(compiled.compiled.buckets) >= 4  # several shapes were met...
+    assert graphs.count == len(compiled.compiled.buckets)  # ...each compiled once
+
+
+def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
+    cache = runner.new_cache()
+    logits = runner.forward(prompt, cache, keep=1)
+    out = []
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = runner.forward([out[-1]], cache, keep=1)
+    return out
+
+
+def test_calls_of_other_lengths_compile_nothing_new(small) -> None:
+    compiled, graphs = counted_runner(small)
+    eager = ModelRunner(small, slots=True)
+    first = greedy(compiled, list(range(3, 40)), 12)
+    assert graphs.count == 1  # the single-token step of one call
+    for length in (33, 70, 121):
+        prompt = [(5 * i) % (VOCAB - 1) + 1 for i in range(length)]
+        assert greedy(compiled, prompt, 12) == greedy(eager, prompt, 12)
+    assert graphs.count == 1
+    assert first == greedy(eager, list(range(3, 40)), 12)
+
+
+def test_a_call_that_outgrows_the_pool_continues_as_eager(small) -> None:
+    """The pool starts at 256 positions; a call decoding past them grows it (a reallocation:
+    new shapes, so its bucket compiles once more) and keeps the eager runner's tokens."""
+    compiled, graphs = counted_runner(small)
+    eager = ModelRunner(small, slots=True)
+    prompt = [(3 * i) % (VOCAB - 1) + 1 for i in range(200)]
+    assert compiled.slots is not None
+    assert compiled.slots.capacity <= 256
+    assert greedy(compiled, prompt, 100) == greedy(eager, prompt, 100)
+    assert compiled.slots.capacity >= 300
+    assert graphs.count == 2  # the step before and after the pool grew
+
+
+@pytest.mark.slow  # compiles with inductor
+def test_forwards_on_other_threads_take_turns_with_compiled_ones() -> None:
+    """A compiled graph replays writes to module-level state it traced (transformers' hub-kernel
+    wrapper keeps one); a second runtime's eager forwards on another thread must not run in the
+    middle of that, nor of a compile. One thread compiles and runs forwards of several widths
+    over slots while another decodes eagerly on another model: nothing fails, and both give
+    their single-threaded logits."""
+    first = make_model(VOCAB, layers=2, seed=3, hidden=64, max_positions=4096)
+    second = make_model(VOCAB, layers=2, seed=4, hidden=64, max_positions=4096)
+    compiled = ModelRunner(first, slots=True)
+    compiled._use_compiled(compiled.compiler())  # inductor, compiled on its thread below
+    reference = ModelRunner(first, slots=True)
+    eager = ModelRunner(second)  # ordinary caches: the model's full forward
+    feeds = [list(range(3, 40)), *[list(range(4, 4 + w)) for w in (1, 2, 3, 5, 9, 1, 2)]]
+    errors: list[BaseException] = []
+    done = threading.Event()
+    got: list[torch.Tensor] = []
+
+    def compiled_forwards() -> None:
+        try:
+            cache = compiled.new_cache()
+            got.extend(compiled.forward(feed, cache) for feed in feeds)
+        except BaseException as error:  # reported below, not lost in the thread
+            errors.append(error)
+        finally:
+            done.set()
+
+    def eager_forwards() -> None:
+        try:
+            while not done.is_set():
+                cache = eager.new_cache()
+                eager.forward(list(range(3, 20)), cache)
+                for _ in range(10):
+                    eager.forward([5, 6], cache)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=compiled_forwards), threading.Thread(target=eager_forwards)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    cache = reference.new_cache()
+    for feed, logits in zip(feeds, got, strict=True):
+        torch.testing.assert_close(logits, reference.forward(feed, cache), **TOL)
+
+
+def test_compiled_forwards_need_slots() -> None:
+    runner = ModelRunner(make_model(VOCAB, layers=1), slots=False)
+    with pytest.raises(ValueError, match="KV slots"):
+        runner.compiler()
+    choice = choose_compiled_step(
+        runner, key="k", store=MemoryStore({"compiled-step:k": {"compiled": True}})
+    )
+    assert not choice.compiled
+    assert "slots" in choice.reason
+    assert runner.compiled is None
 
 
 def recorded_compiled(*models) -> MemoryStore:
@@ -75,42 +203,9 @@ def compiled_runner(model) -> ModelRunner:
     return runner
 
 
-def test_batched_forwards_over_static_caches_equal_single_ones(target) -> None:
-    runner = compiled_runner(target)  # batches run eagerly: nothing is compiled here
-    caches = [new_static(target.config, 64), new_static(target.config, 64), runner.new_cache()]
-    prompts = [list(range(3, 13)), list(range(20, 41)), list(range(7, 22))]
-    for cache, prompt in zip(caches, prompts, strict=True):
-        runner.forward(prompt, cache, keep=1)
-    twins = [as_dynamic(cache) for cache in caches]
-    feeds = [[5], [7, 8, 9], [11, 12]]
-    batched = runner.forward_batch(list(zip(feeds, caches, strict=True)))
-    for feed, twin, logits in zip(feeds, twins, batched, strict=True):
-        torch.testing.assert_close(logits, runner.forward(feed, twin), atol=1e-4, rtol=1e-4)
-    for cache, twin in zip(caches, twins, strict=True):
-        assert int(cache.get_seq_length()) == twin.get_seq_length()
-        torch.testing.assert_close(
-            as_dynamic(cache).layers[0].keys, twin.layers[0].keys, atol=1e-5, rtol=1e-5
-        )
-
-
-def test_the_prefix_cache_keeps_static_caches_as_ordinary_ones(target) -> None:
-    runner = ModelRunner(target)
-    static = new_static(target.config, STATIC_TOKENS)
-    tokens = list(range(3, 43))
-    runner.forward(tokens, static, keep=1)
-    prefixes = PrefixCache(min_tokens=8)
-    prefixes.store("t", tokens, static, copy=False)
-    cached, reused = prefixes.lookup("t", [*tokens, 50, 51])
-    assert reused == 40
-    assert isinstance(cached, DynamicCache)
-    assert not is_static(cached)
-    assert cached.layers[0].keys.shape[2] == 40  # its length, not its 2,048 slots
-    torch.testing.assert_close(cached.layers[0].keys, static.layers[0].keys[:, :, :40])
-
-
 @pytest.fixture(scope="module")
 def compiled_pair(target, draft) -> tuple[ModelRunner, ModelRunner]:
-    """Runners whose single-token steps run compiled (inductor), compiled once per module."""
+    """Runners whose few-token forwards run compiled (inductor), compiled once per module."""
     return compiled_runner(target), compiled_runner(draft)
 
 
@@ -137,13 +232,13 @@ def test_compiled_steps_give_the_target_greedy_tokens(
     target_runner, draft_runner = compiled_pair
     steps = {"target": 0, "draft": 0}
     for role, runner in (("target", target_runner), ("draft", draft_runner)):
-        step = runner.compiled.step
+        hidden = runner.compiled.hidden
 
-        def counted(*args: Any, _step: Any = step, _role: str = role) -> torch.Tensor:
+        def counted(*args: Any, _hidden: Any = hidden, _role: str = role) -> Any:
             steps[_role] += 1
-            return _step(*args)
+            return _hidden(*args)
 
-        monkeypatch.setattr(runner.compiled, "step", counted)
+        monkeypatch.setattr(runner.compiled, "hidden", counted)
     ids = tokenizer.encode(prompt)
     expected = hf_greedy(target, ids, 40)
     for schedule in (
@@ -153,8 +248,8 @@ def test_compiled_steps_give_the_target_greedy_tokens(
     ):
         last = run(target_runner, ids, DraftModelDrafter(draft_runner), schedule)
         assert last.output_ids == expected, schedule
-    # Plain steps of the target and the draft's single-token steps did run compiled (all 40
-    # tokens of the plain run but the first, which the forward over the prompt gives).
+    # Plain steps of the target and the draft's steps did run compiled (all 40 tokens of the
+    # plain run but the first, which the forward over the prompt gives).
     assert steps["target"] >= 39
     assert steps["draft"] > 0
 
@@ -207,8 +302,8 @@ def test_the_runtime_measures_records_and_reuses_the_decision(target, draft, tok
 
 @pytest.mark.slow  # compiles both models with inductor
 def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(target, draft, tokenizer) -> None:
-    """Concurrent calls (batched forwards over static caches) and a conversation's next turn (a
-    kept prefix copied back into a static cache) give the eager runtime's tokens."""
+    """Concurrent calls (batched forwards over slots) and a conversation's next turn (a kept
+    prefix copied back into a slot) give the eager runtime's tokens."""
     policies = [conversation_policy()]
     eager = SpecRuntime(target, draft, tokenizer, policies, "cpu", compile_steps=False)
     compiled = SpecRuntime(
@@ -239,7 +334,7 @@ def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(target, draft, to
 
 
 def test_compiling_is_not_tried_where_nothing_was_measured(target) -> None:
-    runner = ModelRunner(target)
+    runner = ModelRunner(target, slots=True)
     choice = choose_compiled_step(runner, key="k", store=MemoryStore(), measure=False)
     assert not choice.compiled
     assert runner.compiled is None
