@@ -31,6 +31,7 @@ machine where it loses never compiles again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 import time
@@ -61,6 +62,7 @@ MIN_GAIN = 0.92
 """The compiled forwards are kept only where a step takes less than this share of the eager one."""
 
 
+_log = logging.getLogger("specagent.compiled")
 _SERIAL = threading.RLock()
 _COMPILED: weakref.WeakSet[CompiledSlots] = weakref.WeakSet()
 
@@ -182,7 +184,9 @@ class CompiledSlots:
         self._views: dict[int, _PoolView] = {}
         self._functions: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
         self._marked: torch.Tensor | None = None
-        pool.shrinks = False  # a shrunken pool would compile every bucket again
+        self.failed: dict[tuple[int, int], str] = {}
+        """Buckets whose compiling or compiled run raised, and why: their forwards run
+        eagerly from then on (a compiler that fails must not fail a call)."""
         _COMPILED.add(self)
 
     @staticmethod
@@ -197,16 +201,20 @@ class CompiledSlots:
 
     def hidden(
         self, sequences: Sequence[SlotSequence], tokens: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, int] | None:
         """Hidden states ``[rows, width, hidden]`` of feeding each ``tokens[i]`` after
         ``sequences[i]`` (row = the sequence's slot), and the width; the new KV is written into
-        the slots (lengths are the caller's to move). Call with the pool's lock held."""
+        the slots (lengths are the caller's to move). None: this bucket's compiling failed, run
+        the forward eagerly (whatever a failed run wrote lies past the sequences' lengths). Call
+        with the pool's lock held."""
         pool = self.pool
         widest = max(len(t) for t in tokens)
         width = next(w for w in WIDTHS if w >= widest)
         pool.ensure(max(s.length for s in sequences) + width)
         rows = 1 << (max(s.slot for s in sequences)).bit_length()
         rows = min(rows, pool.slots)
+        if (rows, width) in self.failed:
+            return None
         ids = torch.zeros(rows, width, dtype=torch.long)
         starts = torch.zeros(rows, dtype=torch.long)
         counts = torch.zeros(rows, dtype=torch.long)
@@ -226,7 +234,16 @@ class CompiledSlots:
                 torch._dynamo.mark_static_address(held)
             self._marked = pool.keys[0]
         function = self._function(rows, width)
-        hidden = function(self.body, self._cache_kw, self._mask_dtype, ids.to(pool.device), view)
+        try:
+            hidden = function(
+                self.body, self._cache_kw, self._mask_dtype, ids.to(pool.device), view
+            )
+        except Exception as error:  # no toolchain, an op the compiler refuses, a bad graph
+            self.failed[(rows, width)] = f"{type(error).__name__}: {error}"[:300]
+            _log.warning(
+                "compiled forward %dx%d failed, running it eagerly: %s", rows, width, error
+            )
+            return None
         return hidden, width
 
     def _function(self, rows: int, width: int) -> Callable[..., torch.Tensor]:

@@ -281,6 +281,8 @@ class ModelRunner:
         """The compiled-forwards decision (``compiled.choose_compiled_step``), made before the
         runner is handed out (``tuning.build_runner``)."""
         self._compiled = compiled
+        if self._pool is not None:  # a pool shrunk back would compile every bucket again
+            self._pool.shrinks = compiled is None
 
     def _use_head_rows(self, rows: int, always: Sequence[int]) -> None:
         """Project this runner's logits onto the head's first ``rows`` rows, the ``always``
@@ -559,8 +561,11 @@ class ModelRunner:
         widest = max(counts)
         compiled = self.compiled
         with self._pool.lock:  # no reallocation by another thread under this forward
+            ran = None
             if compiled is not None and self._gather_checked and compiled.fits(widest):
-                hidden, width = compiled.hidden(sequences, [t for t, _ in requests])
+                ran = compiled.hidden(sequences, [t for t, _ in requests])
+            if ran is not None:
+                hidden, width = ran
                 wanted = [
                     (sequence.slot, count - min(count, k if k is not None else count), count)
                     for sequence, count, k in zip(sequences, counts, keeps, strict=True)

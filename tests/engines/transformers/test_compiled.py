@@ -173,6 +173,19 @@ def test_forwards_on_other_threads_take_turns_with_compiled_ones() -> None:
         torch.testing.assert_close(logits, reference.forward(feed, cache), **TOL)
 
 
+def test_a_bucket_that_fails_to_compile_runs_eagerly(small) -> None:
+    def refusing(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        raise RuntimeError("no compiler here")
+
+    runner = ModelRunner(small, slots=True)
+    runner._use_compiled(runner.compiler(backend=refusing))
+    prompt = list(range(3, 40))
+    assert greedy(runner, prompt, 8) == greedy(ModelRunner(small, slots=True), prompt, 8)
+    assert runner.compiled is not None
+    assert list(runner.compiled.failed) == [(1, 1)]
+    assert "no compiler here" in runner.compiled.failed[(1, 1)]
+
+
 def test_compiled_forwards_need_slots() -> None:
     runner = ModelRunner(make_model(VOCAB, layers=1), slots=False)
     with pytest.raises(ValueError, match="KV slots"):
