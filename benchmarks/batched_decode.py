@@ -8,9 +8,12 @@ through the public runtime (plain steps: the cost of a batched round, not of dra
 call's KV in the runner's slot pool (``kv_slots=True``, the default), the same with compiled
 forwards over the slots (``engines.transformers.compiled``, forced on), and in an ordinary cache
 per call (``kv_slots=False``); transformers runs the same 16 prompts as one left-padded batch
-with ``cache_implementation="static"``. Each side is timed at two output lengths, and the cost
-of one output token is the difference over the extra tokens (the prefill cancels out); methods
-take turns, five rounds, medians.
+with ``cache_implementation="static"``. The cost of one output token is timed over the decode
+phase alone: for specagent from the moment every call has its first token (the prompts run
+first, one forward each) to the last token, over the tokens emitted in that span; for
+transformers from its first generated step to its last (a streamer's timestamps). Prefills of
+16 x 2,048 tokens swing by seconds between rounds here, so they are left out rather than
+subtracted. Methods take turns, five rounds, medians.
 
 Speculative rounds verify several tokens per call under a per-row mask, which for a
 grouped-query model is where transformers' sdpa attention copies every key/value head per query
@@ -37,6 +40,7 @@ from typing import Any
 import anyio
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
 
 from specagent import Policy, SpecRuntime
 from specagent.bench import write_result
@@ -97,6 +101,73 @@ def specagent_seconds(
     return anyio.run(run)
 
 
+def specagent_decode(
+    runtime: SpecRuntime, batch: list[list[int]], new_tokens: int, policy: str = "plain"
+) -> float:
+    """Seconds per output token while every call decodes: from the last call's first token
+    to the last token of all, over the tokens emitted in between."""
+
+    async def run() -> float:
+        firsts: list[float] = []
+        stamps: list[tuple[float, int]] = []
+
+        async def one(prompt: list[int]) -> None:
+            seen = False
+            async for chunk in runtime.stream(
+                prompt, policy=policy, max_new_tokens=new_tokens, temperature=0.0
+            ):
+                if chunk.token_ids:
+                    now = time.perf_counter()
+                    if not seen:
+                        firsts.append(now)
+                        seen = True
+                    stamps.append((now, len(chunk.token_ids)))
+
+        async with anyio.create_task_group() as tg:
+            for prompt in batch:
+                tg.start_soon(one, prompt)
+        start = max(firsts)
+        end = max(at for at, _ in stamps)
+        tokens = sum(n for at, n in stamps if at > start)
+        return (end - start) / max(tokens, 1)
+
+    return anyio.run(run)
+
+
+class _StepTimes(BaseStreamer):
+    """When transformers' ``generate`` hands out each step's tokens (the first put is the
+    prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        return None
+
+
+def transformers_decode(model: Any, batch: list[list[int]], new_tokens: int) -> float:
+    """Seconds per output token of transformers' batched static-cache ``generate`` after its
+    first generated step."""
+    ids = torch.tensor(batch, device=model.device)
+    steps = _StepTimes()
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            pad_token_id=0,
+            streamer=steps,
+        )
+    first, last = steps.times[1], steps.times[-1]  # [0]: the prompt
+    return (last - first) / ((len(steps.times) - 2) * len(batch))
+
+
 def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) -> float:
     ids = torch.tensor(batch, device=model.device)
     start = time.perf_counter()
@@ -117,19 +188,16 @@ def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) ->
 
 
 def per_token_rounds(
-    methods: dict[str, Any], batch: list[list[int]], tokens: tuple[int, int], rounds: int
+    methods: dict[str, Any], batch: list[list[int]], tokens: int, rounds: int
 ) -> dict[str, list[float]]:
     """Seconds per output token of each method, a value per round (methods taking turns)."""
-    short, long = tokens
     for method in methods.values():
-        method(batch, 2)  # warm up (and compile every batch size a round meets)
+        method(batch, 4)  # warm up (and compile every batch size a round meets)
     per_token: dict[str, list[float]] = {name: [] for name in methods}
     for round_index in range(rounds):
         order = list(methods) if round_index % 2 == 0 else list(methods)[::-1]
         for name in order:
-            t_short = methods[name](batch, short)
-            t_long = methods[name](batch, long)
-            per_token[name].append((t_long - t_short) / ((long - short) * len(batch)))
+            per_token[name].append(methods[name](batch, tokens))
     return per_token
 
 
@@ -175,9 +243,7 @@ def verification_rounds(contexts: list[int], calls: int, rounds: int) -> dict[st
     return out
 
 
-def drafted_rounds(
-    contexts: list[int], calls: int, tokens: tuple[int, int], rounds: int
-) -> dict[str, Any]:
+def drafted_rounds(contexts: list[int], calls: int, tokens: int, rounds: int) -> dict[str, Any]:
     """16 calls with a draft model at k = 4: the runner's attention against transformers' sdpa
     (switched between rounds on both models; the runners read it at every forward)."""
     target = small_llama()
@@ -192,7 +258,7 @@ def drafted_rounds(
         def run(batch: list[list[int]], new_tokens: int) -> float:
             for model in (target, draft):
                 model.config._attn_implementation = name
-            return specagent_seconds(runtime, batch, new_tokens, policy="drafted")
+            return specagent_decode(runtime, batch, new_tokens, policy="drafted")
 
         return run
 
@@ -213,7 +279,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[32, 2048])
     parser.add_argument("--calls", type=int, default=16)
-    parser.add_argument("--tokens", type=int, nargs=2, default=[8, 40], help="short, long")
+    parser.add_argument("--tokens", type=int, default=160, help="new tokens per call")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -237,13 +303,11 @@ def main() -> None:
         specagent_seconds(runtime, prompts(2, 32), 2)
         runtime.wait_measured()  # the step-cost measurement runs between rounds: not in them
     methods = {
-        **{
-            name: (lambda b, n, rt=rt: specagent_seconds(rt, b, n)) for name, rt in runtimes.items()
-        },
-        "transformers_static_generate": lambda b, n: transformers_seconds(model, b, n),
+        **{name: (lambda b, n, rt=rt: specagent_decode(rt, b, n)) for name, rt in runtimes.items()},
+        "transformers_static_generate": lambda b, n: transformers_decode(model, b, n),
     }
-    tokens = (args.tokens[0], args.tokens[1])
-    result: dict[str, Any] = {"calls": args.calls, "tokens": list(tokens), "contexts": {}}
+    tokens = args.tokens
+    result: dict[str, Any] = {"calls": args.calls, "tokens": tokens, "contexts": {}}
     for context in args.contexts:
         per_token = per_token_rounds(methods, prompts(args.calls, context), tokens, args.rounds)
         result["contexts"][str(context)] = summary(per_token, "transformers_static_generate")
