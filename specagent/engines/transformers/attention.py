@@ -59,7 +59,10 @@ def grouped_sdpa(
         and not kwargs.get("output_attentions", False)
         and (dropout == 0.0 or not module.training)
     )
-    if groups > 1 and attention_mask is not None and query.shape[2] > 1 and plain:
+    # For one query transformers folds the groups into it, except under torch.compile, where
+    # it copies the KV as for several.
+    several = query.shape[2] > 1 or torch.compiler.is_compiling()
+    if groups > 1 and attention_mask is not None and several and plain:
         mask = attention_mask[:, :, :, : key.shape[-2]]
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
