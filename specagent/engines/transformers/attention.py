@@ -6,10 +6,13 @@ batched round over KV slots, a token tree) reaches transformers' sdpa attention 
 more than one query. For a grouped-query model (Qwen2.5: 6 or 7 query heads per key/value head)
 transformers then repeats every key/value head for its query heads (``repeat_kv``) before torch's
 kernel: a copy of the whole cached KV per layer per forward, which on a CPU also sends the
-kernel down a slower path. Measured on a 2-core Zen 4 (Llama 12 x 256, 8 query and 4 key/value
-heads, 16 calls over slots at 2,048 tokens): a round of 4 new tokens per call took 342 ms with
-the repeat and 65 ms with torch's own grouped heads (``enable_gqa``); one new token was the same
-either way (transformers folds the groups into the query for a single token). torch's grouped
+kernel down a slower path. Measured on a 2-core Zen 4 (``benchmarks/batched_decode.py``: Llama
+12 x 256, 8 query and 4 key/value heads, 16 calls over slots at 2,048 tokens): a verification
+of 5 new tokens per call took 346 ms with the repeat and 85 ms with torch's own grouped heads
+(``enable_gqa``), and calls drafting 4 tokens a round decoded at 0.56x the time per token; one
+new token costs the same either way in eager mode (transformers folds the groups into the
+query for a single token, but not under ``torch.compile``, so compiled graphs take the grouped
+heads for one token too). torch's grouped
 heads under a mask are not fast everywhere (on CUDA such a call falls back to the math kernel,
 transformers notes), so ``choose_attention`` times both on the model's own head shape and device
 when the runner is made and switches the model to ``grouped_sdpa`` only where it is clearly
