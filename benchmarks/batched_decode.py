@@ -151,26 +151,17 @@ class _StepTimes(BaseStreamer):
 def transformers_decode(model: Any, batch: list[list[int]], new_tokens: int) -> float:
     """Seconds per output token of transformers' batched static-cache ``generate`` after its
     first generated step."""
-    ids = torch.tensor(batch, device=model.device)
     steps = _StepTimes()
-    with torch.inference_mode():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            cache_implementation="static",
-            pad_token_id=0,
-            streamer=steps,
-        )
+    static_generate(model, batch, new_tokens, streamer=steps)
     first, last = steps.times[1], steps.times[-1]  # [0]: the prompt
     return (last - first) / ((len(steps.times) - 2) * len(batch))
 
 
-def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) -> float:
+def static_generate(
+    model: Any, batch: list[list[int]], new_tokens: int, streamer: Any = None
+) -> None:
+    """transformers' greedy batched ``generate`` over a static cache, exactly ``new_tokens``."""
     ids = torch.tensor(batch, device=model.device)
-    start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             ids,
@@ -180,9 +171,15 @@ def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) ->
             do_sample=False,
             cache_implementation="static",
             pad_token_id=0,
+            streamer=streamer,
         )
     assert out.shape[1] == ids.shape[1] + new_tokens
-    if ids.device.type == "cuda":
+
+
+def transformers_seconds(model: Any, batch: list[list[int]], new_tokens: int) -> float:
+    start = time.perf_counter()
+    static_generate(model, batch, new_tokens)
+    if model.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
 

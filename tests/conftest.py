@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import random
 from typing import Any
 
 import pytest
@@ -98,6 +99,36 @@ def make_model(
         tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def ragged_rounds(
+    reference: Any, runner: Any, *, calls: int, rounds: int, vocab: int, tol: dict[str, float]
+) -> list[tuple[Any, Any]]:
+    """``calls`` calls on each runner, ``rounds`` rounds (seeded): each round a random subset
+    feeds 1-5 tokens (or a 40-token prompt) in one batched forward with random ``keep``s, and
+    some roll back 1-2 positions; ``runner``'s logits and lengths must follow ``reference``'s.
+    Returns the calls' cache pairs (reference's, runner's)."""
+    rng = random.Random(0)
+    caches = [(reference.new_cache(), runner.new_cache()) for _ in range(calls)]
+    for _round in range(rounds):
+        chosen = rng.sample(range(calls), rng.randrange(1, calls + 1))
+        feeds = [
+            [rng.randrange(1, vocab) for _ in range(rng.choice([1, 2, 3, 5, 40]))] for _ in chosen
+        ]
+        keeps = [rng.choice([None, 1, 2]) for _ in chosen]
+        pairs = list(zip(feeds, chosen, strict=True))
+        want = reference.forward_batch([(f, caches[i][0]) for f, i in pairs], keeps)
+        got = runner.forward_batch([(f, caches[i][1]) for f, i in pairs], keeps)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, **tol)
+        for i in chosen:
+            if rng.random() < 0.4:  # a rejected draft: both roll back
+                drop = rng.randrange(1, 3)
+                for cache in caches[i]:
+                    cache.crop(-drop)
+        for theirs, ours in caches:
+            assert ours.get_seq_length() == theirs.get_seq_length()
+    return caches
 
 
 def perturbed_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCausalLM:

@@ -7,14 +7,13 @@ records and reuses the decision."""
 from __future__ import annotations
 
 import copy
-import random
 import threading
 from typing import Any
 
 import anyio
 import pytest
 import torch
-from conftest import MemoryStore, hf_greedy, make_model
+from conftest import MemoryStore, hf_greedy, make_model, ragged_rounds
 
 from specagent import Policy, SpecRuntime
 from specagent.chat import render_prompt
@@ -63,28 +62,9 @@ def test_compiled_forwards_over_slots_give_the_eager_logits(small) -> None:
     """Six calls, twenty-five rounds: a random subset feeds 1-5 tokens (or a prompt, which runs
     eagerly) in one batched forward, some roll back; every logit equals the eager runner's over
     the same slots, and each (rows, width) bucket compiled one graph, never a second."""
-    rng = random.Random(0)
     eager = ModelRunner(small, slots=True)
     compiled, graphs = counted_runner(small)
-    caches = [(eager.new_cache(), compiled.new_cache()) for _ in range(6)]
-    for _round in range(25):
-        chosen = rng.sample(range(6), rng.randrange(1, 7))
-        feeds = [
-            [rng.randrange(1, VOCAB) for _ in range(rng.choice([1, 2, 3, 5, 40]))] for _ in chosen
-        ]
-        keeps = [rng.choice([None, 1, 2]) for _ in chosen]
-        pairs = list(zip(feeds, chosen, strict=True))
-        want = eager.forward_batch([(f, caches[i][0]) for f, i in pairs], keeps)
-        got = compiled.forward_batch([(f, caches[i][1]) for f, i in pairs], keeps)
-        for a, b in zip(want, got, strict=True):
-            torch.testing.assert_close(b, a, **TOL)
-        for i in chosen:
-            if rng.random() < 0.4:  # a rejected draft: both roll back
-                drop = rng.randrange(1, 3)
-                for cache in caches[i]:
-                    cache.crop(-drop)
-        for ordinary, slot in caches:
-            assert slot.get_seq_length() == ordinary.get_seq_length()
+    ragged_rounds(eager, compiled, calls=6, rounds=25, vocab=VOCAB, tol=TOL)
     assert compiled.compiled is not None
     assert len(compiled.compiled.buckets) >= 4  # several shapes were met...
     assert graphs.count == len(compiled.compiled.buckets)  # ...each compiled once

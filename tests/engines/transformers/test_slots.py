@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from conftest import make_model
+from conftest import make_model, ragged_rounds
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specagent import Policy, SpecRuntime
@@ -54,27 +54,10 @@ def test_random_ragged_rounds_give_the_logits_of_ordinary_caches(model) -> None:
     """Eight calls, thirty rounds: each round a random subset feeds 1-5 tokens (or a prompt)
     in one batched forward, and some roll back what they fed; logits and lengths follow the
     same calls on ordinary caches exactly."""
-    rng = random.Random(0)
     plain, slotted = ModelRunner(model), ModelRunner(model, slots=True)
     assert slotted.slots is not None
-    caches = [(plain.new_cache(), slotted.new_cache()) for _ in range(8)]
+    caches = ragged_rounds(plain, slotted, calls=8, rounds=30, vocab=VOCAB, tol=TOL)
     assert all(isinstance(s, SlotSequence) for _, s in caches)
-    for _round in range(30):
-        chosen = rng.sample(range(8), rng.randrange(1, 9))
-        feeds = [_tokens(rng, rng.choice([1, 2, 3, 5, 40])) for _ in chosen]
-        keeps = [rng.choice([None, 1, 2]) for _ in chosen]
-        pairs = list(zip(feeds, chosen, strict=True))
-        want = plain.forward_batch([(f, caches[i][0]) for f, i in pairs], keeps)
-        got = slotted.forward_batch([(f, caches[i][1]) for f, i in pairs], keeps)
-        for a, b in zip(want, got, strict=True):
-            torch.testing.assert_close(b, a, **TOL)
-        for i in chosen:
-            if rng.random() < 0.4:  # a rejected draft: both roll back
-                drop = rng.randrange(1, 3)
-                for cache in caches[i]:
-                    cache.crop(-drop)
-        for ordinary, slot in caches:
-            assert slot.get_seq_length() == ordinary.get_seq_length()
 
 
 def test_a_kept_prefix_continues_as_the_whole_would(model) -> None:
