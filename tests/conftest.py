@@ -102,12 +102,20 @@ def make_model(
 
 
 def ragged_rounds(
-    reference: Any, runner: Any, *, calls: int, rounds: int, vocab: int, tol: dict[str, float]
+    reference: Any,
+    runner: Any,
+    *,
+    calls: int,
+    rounds: int,
+    vocab: int,
+    tol: dict[str, float],
+    tensors: float = 0.0,
 ) -> list[tuple[Any, Any]]:
     """``calls`` calls on each runner, ``rounds`` rounds (seeded): each round a random subset
     feeds 1-5 tokens (or a 40-token prompt) in one batched forward with random ``keep``s, and
     some roll back 1-2 positions; ``runner``'s logits and lengths must follow ``reference``'s.
-    Returns the calls' cache pairs (reference's, runner's)."""
+    ``tensors``: the share of ``runner``'s feeds passed as tensors (tokens a drafter chose on
+    the device) instead of lists. Returns the calls' cache pairs (reference's, runner's)."""
     rng = random.Random(0)
     caches = [(reference.new_cache(), runner.new_cache()) for _ in range(calls)]
     for _round in range(rounds):
@@ -118,7 +126,10 @@ def ragged_rounds(
         keeps = [rng.choice([None, 1, 2]) for _ in chosen]
         pairs = list(zip(feeds, chosen, strict=True))
         want = reference.forward_batch([(f, caches[i][0]) for f, i in pairs], keeps)
-        got = runner.forward_batch([(f, caches[i][1]) for f, i in pairs], keeps)
+        theirs = [torch.tensor(f) if tensors and rng.random() < tensors else f for f in feeds]
+        got = runner.forward_batch(
+            [(f, caches[i][1]) for f, i in zip(theirs, chosen, strict=True)], keeps
+        )
         for a, b in zip(want, got, strict=True):
             torch.testing.assert_close(b, a, **tol)
         for i in chosen:

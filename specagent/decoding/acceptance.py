@@ -147,10 +147,23 @@ def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 0.5 * (a - b).abs().sum(dim=-1)
 
 
-def _first_rejection(accept: torch.Tensor) -> int:
-    """Index of the first False in a 1-D bool tensor, or its length if all are True."""
-    rejected = (~accept).nonzero()
-    return int(rejected[0, 0]) if rejected.numel() else int(accept.shape[0])
+def _first_rejection(accept: torch.Tensor) -> torch.Tensor:
+    """Index of the first False in a 1-D bool tensor, or its length if all are True: a 0-d
+    tensor on its device (nothing read)."""
+    stop = torch.cat([~accept, accept.new_ones(1)])
+    return stop.to(torch.uint8).argmax()  # the first of the maxima
+
+
+def _emitted_row(probs: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Row ``n`` of ``probs`` (``[k + 1, V]``), indexed on the device."""
+    return probs.index_select(0, n.view(1))[0]
+
+
+def _read(n: torch.Tensor, token: torch.Tensor, *rest: torch.Tensor) -> list[float]:
+    """The step's outcome to the host in one transfer: ``n``, the next token and ``rest``
+    flattened (float32 holds every vocabulary id exactly: ids stay below 2**24)."""
+    parts = [n.view(1).float(), token.view(1).float(), *(r.reshape(-1).float() for r in rest)]
+    return torch.cat(parts).tolist()
 
 
 def verify_greedy(
@@ -169,9 +182,10 @@ def verify_greedy(
     token is 1, of any other 0.
     """
     k = int(draft_tokens.shape[0])
-    # One device sync for the whole step: the argmax row and the drafts as Python ints.
-    target_choice = target_logits.argmax(dim=-1).tolist()  # [k+1]
-    drafts = draft_tokens.tolist()
+    # One transfer for the whole step: the target's argmax row and the drafts.
+    choices = torch.cat([target_logits.argmax(dim=-1), draft_tokens.to(target_logits.device)])
+    both = choices.tolist()
+    target_choice, drafts = both[: k + 1], both[k + 1 :]
     matches = [drafts[i] == target_choice[i] for i in range(k)]
     accept = matches
     if rule is not None and k > 0 and not all(matches):
@@ -196,7 +210,9 @@ def verify_lossless(
     generator: torch.Generator,
 ) -> Verdict:
     """Speculative sampling (Leviathan et al. 2023, Alg. 1). ``draft_tokens [k]``,
-    ``draft_probs q [k, V]``, ``target_probs p [k+1, V]``. Exactly lossless."""
+    ``draft_probs q [k, V]``, ``target_probs p [k+1, V]``. Exactly lossless.
+
+    Decided on the device and read once: the accepted count and the next token together."""
     k = int(draft_tokens.shape[0])
     if k == 0:
         return Verdict(0, int(sample(target_probs[0], generator)), [0.0])
@@ -206,14 +222,14 @@ def verify_lossless(
     u = torch.rand(k, generator=generator, device=p_x.device)
     # u < p/q without dividing: q_x > 0 always holds for a token that was drafted from q.
     n = _first_rejection(u * q_x < p_x)
-    if n < k:
-        residual = residual_distribution(
-            target_probs[n], torch.minimum(draft_probs[n], target_probs[n])
-        )
-        token = int(sample(residual, generator))
-    else:
-        token = int(sample(target_probs[k], generator))
-    return Verdict(num_accepted=n, next_token=token, divergences=[0.0] * (n + 1))
+    # At a rejection, the residual norm(max(0, p - min(q, p))); after k acceptances, p's bonus
+    # row itself (q has no row k: its row 0 stands in for the residual that is not taken).
+    p_n = _emitted_row(target_probs, n)
+    q_n = _emitted_row(torch.cat([draft_probs, draft_probs[:1]]), n)
+    residual = residual_distribution(p_n, torch.minimum(q_n, p_n))
+    token = sample(torch.where(n < k, residual, p_n), generator)
+    accepted, next_token = (int(x) for x in _read(n, token))
+    return Verdict(num_accepted=accepted, next_token=next_token, divergences=[0.0] * (accepted + 1))
 
 
 def verify_relaxed(
@@ -225,7 +241,7 @@ def verify_relaxed(
 ) -> Verdict:
     """Relaxed verification with the same shapes as ``verify_lossless``. The acceptance
     probability is ``max(min(1, p/q), rule)``; the divergence of each emitted token is the TV
-    distance of its exact induced distribution from the target's."""
+    distance of its exact induced distribution from the target's. Read once, as lossless."""
     k = int(draft_tokens.shape[0])
     if k == 0:
         return Verdict(0, int(sample(target_probs[0], generator)), [0.0])
@@ -234,16 +250,17 @@ def verify_relaxed(
     rows = torch.arange(k, device=draft_tokens.device)
     u = torch.rand(k, generator=generator, device=p.device)
     n = _first_rejection(u < a[rows, draft_tokens])
-    seen = min(n + 1, k)  # positions whose token came from pi_i
-    tv = total_variation(induced_distribution(p[:seen], q[:seen], a[:seen]), p[:seen])
-    divergences = [float(x) for x in tv.tolist()]
-    if n < k:
-        token = int(sample(residual_distribution(p[n], q[n] * a[n]), generator))
-    else:
-        token = int(sample(target_probs[k], generator))
+    # Every drafted position's divergence, read with the outcome; those past n are dropped.
+    tv = total_variation(induced_distribution(p, q, a), p)  # [k]
+    p_n = _emitted_row(target_probs, n)
+    accepted_mass = _emitted_row(torch.cat([q * a, q[:1]]), n)  # row k: as lossless
+    token = sample(torch.where(n < k, residual_distribution(p_n, accepted_mass), p_n), generator)
+    read = _read(n, token, tv)
+    accepted, next_token = int(read[0]), int(read[1])
+    divergences = read[2 : 2 + min(accepted + 1, k)]  # positions whose token came from pi_i
+    if accepted == k:
         divergences.append(0.0)  # the bonus token comes from p itself
-    assert len(divergences) == n + 1
-    return Verdict(num_accepted=n, next_token=token, divergences=divergences)
+    return Verdict(num_accepted=accepted, next_token=next_token, divergences=divergences)
 
 
 # --------------------------------------------------------------------------- policy blocks

@@ -21,7 +21,7 @@ from .drafters import (
     TokenConstraint,
     lookup_continuation,
 )
-from .engine import ForwardRequest, Runner, crop_to
+from .engine import ForwardRequest, Runner, Tokens, crop_to
 from .parts import Prefixes
 from .prefix import common_prefix_length, reuse_prefix
 from .sampling import SamplingParams, logits_to_probs, sample
@@ -61,8 +61,15 @@ class DraftModelDrafter(StepwiseDrafter):
         costs: CostModel | None = None,
         plan_lengths: bool = True,
         call_end: int | None = None,
+        on_device: bool | None = None,
     ) -> None:
         self.runner = runner
+        self.on_device = runner.device.type != "cpu" if on_device is None else on_device
+        """Decide each draft on the device and read it once (``_drafted_on_device``), not one
+        token at a time: on an accelerator every read waits for the device's queue to drain.
+        None: where the draft runs on one. Grammar-constrained drafts stay on the host (the
+        grammar reads every token), and drafts on the device make no lookup guesses (a guess
+        continues tokens the host has not read)."""
         self.confidence_threshold = confidence_threshold
         """Stop drafting once the draft's own top probability falls below this: a token it is
         unsure of is likely rejected, and every token after it surely wasted."""
@@ -129,10 +136,13 @@ class DraftModelDrafter(StepwiseDrafter):
         masks: list[torch.Tensor] = []
         confidences: list[float] = []
         self._last_confidences = confidences
-        expected, all_accepted = 1.0, 1.0  # tokens this step is expected to emit; P(all pass)
-        calibration = self._tested_hits / self._tested_confidence
-        # The schedule has decided to draft: at least one token, however the plan looks.
-        planned = max(1, self._planned_length(0, k, expected, all_accepted))
+        stops = _Stops(self, k)
+        if self.on_device and constraint is None:
+            proposal = yield from self._drafted_on_device(
+                context, feed, stops, params, generator, vocab, prompt
+            )
+            return proposal
+        planned = stops.planned
         while len(tokens) < planned:
             # Guesses beyond the planned length would be checked and then thrown away.
             guess = self._guess(context + tokens, planned - len(tokens) - 1)
@@ -163,8 +173,9 @@ class DraftModelDrafter(StepwiseDrafter):
                     masks.append(mask)
                 if params.greedy:
                     # q is one-hot on the argmax: no distribution to keep.
-                    token = int(row.argmax())
-                    confidence = _probability(row, token)
+                    best = row.argmax().view(1)
+                    token = int(best)
+                    confidence = float(_probability(row, best))
                 else:
                     probs = logits_to_probs(row, params)
                     token = int(sample(probs, generator))
@@ -172,15 +183,13 @@ class DraftModelDrafter(StepwiseDrafter):
                     confidence = float(probs[token])
                 tokens.append(token)
                 confidences.append(confidence)
-                all_accepted *= min(confidence * calibration, 0.999)
-                expected += all_accepted
                 if constraint is not None:
                     constraint.consume([token])
                     if constraint.is_stopped():
                         go_on = False
-                planned = self._planned_length(len(tokens), k, expected, all_accepted)
-                if confidence < self.confidence_threshold or planned <= len(tokens):
+                if not stops.go_on(len(tokens), confidence):
                     go_on = False
+                planned = stops.planned
                 if j < len(guess):
                     agreed += token == guess[j]
                     missed = int(token != guess[j])
@@ -201,6 +210,65 @@ class DraftModelDrafter(StepwiseDrafter):
         if params.greedy:
             return Proposal(tokens=tokens, masks=masks or None)
         return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
+
+    def _drafted_on_device(
+        self,
+        context: list[int],
+        feed: list[int],
+        stops: _Stops,
+        params: SamplingParams,
+        generator: torch.Generator,
+        vocab: torch.Tensor | None,
+        prompt: int,
+    ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        """``propose_steps``' draft decided on the device: as many forwards as planned before
+        the first token, each fed the last one's token where it lies (greedy: the argmax;
+        sampled: drawn from q with the call's generator, which lives there too), the tokens and
+        their confidences read in one transfer at the end. The stops the host loop makes token
+        by token (the confidence threshold, a plan cut short by low confidence) are replayed on
+        what was read, and the cache keeps only the tokens kept: the same tokens and q as the
+        host loop, short of a plan the host would have extended after confident tokens."""
+        planned = stops.planned
+        start = len(self._cached)
+        fed: Tokens = feed
+        chosen: list[torch.Tensor] = []
+        confidence: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(planned):
+            logits = yield ForwardRequest(self.runner, fed, self.cache, keep=1, vocab=vocab)
+            if logits is None:
+                raise RuntimeError("a draft forward request must be answered with its logits")
+            self.draft_forwards += 1
+            if prompt and self._prefixes is not None:
+                self._prefixes.store(id(self.runner), context[:prompt], self.cache)
+                prompt = 0
+            row = logits[-1]
+            if params.greedy:
+                token = row.argmax().view(1)
+                confidence.append(_probability(row, token))
+            else:
+                probs = logits_to_probs(row, params)
+                token = sample(probs, generator).view(1)
+                rows.append(probs)
+                confidence.append(probs.gather(0, token))
+            chosen.append(token)
+            fed = token
+        read = torch.cat([torch.cat(chosen).float(), torch.cat(confidence).float()]).tolist()
+        tokens = [int(token) for token in read[:planned]]  # exact: ids stay below 2**24
+        confidences = read[planned:]
+        kept = next(
+            (n for n in range(1, planned + 1) if not stops.go_on(n, confidences[n - 1])),
+            planned,
+        )
+        # The cache holds the feed and every token but the last; only the kept ones stay.
+        self._cached.extend([*feed, *tokens[: planned - 1]])
+        valid = start + len(feed) + kept - 1
+        crop_to(self.cache, valid)
+        del self._cached[valid:]
+        self._last_confidences = confidences[:kept]
+        if params.greedy:
+            return Proposal(tokens=tokens[:kept])
+        return Proposal(tokens=tokens[:kept], probs=torch.stack(rows[:kept]))
 
     def catch_up_pays(self, context: list[int]) -> bool:
         """Whether drafting now is worth feeding the draft what it has not seen of ``context``.
@@ -311,9 +379,32 @@ class EarlyExitDrafter(DraftModelDrafter):
     name = "early_exit"
 
 
-def _probability(logits: torch.Tensor, token: int) -> float:
-    """p(token) = 1 / sum(exp(logits - logits[token])), without building the distribution."""
-    return 1.0 / float(torch.exp(logits - logits[token]).sum())
+def _probability(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """p(token) = 1 / sum(exp(logits - logits[token])), without building the distribution;
+    ``token``: ``[1]`` on the logits' device, the result ``[1]`` there (nothing read)."""
+    return torch.exp(logits - logits.gather(0, token)).sum().reciprocal().view(1)
+
+
+class _Stops:
+    """Where one draft ends, decided token by token: the draft's own confidence in each token
+    (calibrated by what the target accepted so far) and the planned length
+    (``DraftModelDrafter._planned_length``) decide whether one more token pays."""
+
+    def __init__(self, drafter: DraftModelDrafter, k: int) -> None:
+        self._drafter, self._k = drafter, k
+        self._expected, self._all_accepted = 1.0, 1.0  # tokens expected; P(all pass)
+        self._calibration = drafter._tested_hits / drafter._tested_confidence
+        # The schedule has decided to draft: at least one token, however the plan looks.
+        self.planned = max(1, drafter._planned_length(0, k, 1.0, 1.0))
+        """The length the draft should reach, as planned after the tokens so far."""
+
+    def go_on(self, drafted: int, confidence: float) -> bool:
+        """After the ``drafted``-th token, drafted with ``confidence``: whether to draft more."""
+        self._all_accepted *= min(confidence * self._calibration, 0.999)
+        self._expected += self._all_accepted
+        drafter = self._drafter
+        self.planned = drafter._planned_length(drafted, self._k, self._expected, self._all_accepted)
+        return confidence >= drafter.confidence_threshold and self.planned > drafted
 
 
 def build_draft_model(

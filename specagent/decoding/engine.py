@@ -10,10 +10,13 @@ llama.cpp with its sequences) is the engine's own business, decided when it is l
   dropping the last reference frees it.
 - ``Runner``: forwards over new tokens after a sequence, one call's (``forward``) or several
   calls' in one engine call (``forward_batch``), returning float32 logits of the rows asked for
-  (``keep``), over the target's vocabulary; and its step costs: ``tune`` times forwards of
-  given lengths (an engine that chooses how to run them by timing settles that choice there,
-  once, and keeps it), ``settings`` says what it settled and ``restore`` takes back what an
-  earlier process settled on this machine, keyed by ``speed_key``.
+  (``keep``), over the target's vocabulary. The new tokens are ids on the host, or ids a
+  drafter chose on the device and never read (``Tokens``: a 1-D integer tensor on the runner's
+  device, so the next draft step need not wait for the last one to finish). And its step
+  costs: ``tune`` times forwards of given lengths (an engine that chooses how to run them by
+  timing settles that choice there, once, and keeps it), ``settings`` says what it settled
+  and ``restore`` takes back what an earlier process settled on this machine, keyed by
+  ``speed_key``.
 
 ``specagent.engines.transformers.ModelRunner`` is the transformers engine's runner (its caches
 are transformers ``Cache`` objects, which already behave as a ``KVSequence``);
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
@@ -32,11 +35,38 @@ __all__ = [
     "ForwardRequest",
     "KVSequence",
     "Runner",
+    "Tokens",
     "advance",
     "align_vocab",
     "crop_to",
     "cropped_length",
+    "to_device",
+    "token_list",
+    "token_rows",
 ]
+
+Tokens: TypeAlias = "list[int] | torch.Tensor"
+"""New tokens for a forward: ids on the host, or a 1-D integer tensor on the runner's device
+(tokens a drafter chose there; ``token_list`` reads them where an engine needs ids)."""
+
+
+def token_list(tokens: Tokens) -> list[int]:
+    """``tokens`` as host ids (a read from the device where they live there)."""
+    return tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
+def to_device(values: Sequence[Any] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host integers (or a host tensor, its dtype kept) on ``device``, without waiting for the
+    device: a plain copy from host memory synchronises a CUDA stream (every queued kernel must
+    finish first), so on CUDA the values go through pinned memory and an asynchronous copy."""
+    host = torch.as_tensor(
+        values, dtype=values.dtype if isinstance(values, torch.Tensor) else torch.long
+    )
+    if host.device.type != "cpu":  # already on a device
+        return host.to(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @runtime_checkable
@@ -107,7 +137,7 @@ class Runner(Protocol):
 
     def forward(
         self,
-        input_ids: list[int],
+        input_ids: Tokens,
         cache: Any,
         keep: int | None = None,
         tree: list[int] | None = None,
@@ -119,13 +149,33 @@ class Runner(Protocol):
 
     def forward_batch(
         self,
-        requests: Sequence[tuple[list[int], Any]],
+        requests: Sequence[tuple[Tokens, Any]],
         keep: Sequence[int | None] | None = None,
         vocabs: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """``forward`` for several calls in one engine call, all or nothing: on failure every
         sequence is left as it was (the caller may retry each request alone)."""
         ...
+
+
+def token_rows(rows: Sequence[Tokens], width: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), width]`` ids on ``device``, each row's tokens first, then zeros: the host
+    rows in one asynchronous copy (``to_device``), the device rows placed there, none read."""
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    placed = []
+    for i, tokens in enumerate(rows):
+        if isinstance(tokens, torch.Tensor):
+            placed.append(i)
+        elif tokens:
+            ids[i, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+    ids = to_device(ids, device)
+    if placed and all(len(rows[i]) == 1 for i in placed):  # a draft round: one kernel
+        column = torch.cat([torch.as_tensor(rows[i]).view(1) for i in placed]).to(device)
+        ids[to_device(placed, device), 0] = column
+    else:
+        for i in placed:
+            ids[i, : len(rows[i])] = torch.as_tensor(rows[i]).to(device)
+    return ids
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -159,7 +209,7 @@ class ForwardRequest:
     continues when it is sent the logits ``[len(tokens), V]`` (``Runner.forward``)."""
 
     runner: Runner
-    tokens: list[int]
+    tokens: Tokens
     cache: Any
     """The call's ``KVSequence`` on ``runner``'s model."""
     keep: int | None = None

@@ -33,7 +33,7 @@ import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
-from .engine import ForwardRequest, KVSequence, Runner, advance, crop_to
+from .engine import ForwardRequest, KVSequence, Runner, advance, crop_to, to_device
 from .parts import Prefixes
 from .prefix import reuse_prefix
 from .sampling import SamplingParams, logits_to_probs
@@ -266,7 +266,7 @@ def speculative_steps(
             if unfed:
                 unfed = _kept(prefixes, target, context, cache)
             if masks is not None:
-                logits = logits.masked_fill(~masks.to(logits.device), float("-inf"))
+                logits = logits.masked_fill(~to_device(masks, logits.device), float("-inf"))
             verdict = _verify(step, logits, params, rule, generator)
             crop_to(cache, len(context) + verdict.num_accepted)
             accepted = counters.record(
@@ -403,7 +403,7 @@ def _verify(
     generator: torch.Generator,
 ) -> Verdict:
     tokens, q = proposal.tokens, proposal.probs
-    draft = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    draft = to_device(tokens, logits.device)
     if params.greedy:
         return verify_greedy(draft, logits, rule=rule, generator=generator)
     p = logits_to_probs(logits, params)  # [k+1, V]

@@ -58,18 +58,22 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     A token is kept while the mass strictly before it (in descending order) is below top_p, so
     the most likely token always stays. When the ``_TOP_P_HEAD`` most likely tokens of every
     row hold top_p between them, every other token has at least that much mass before it and is
-    dropped: ranking those few is then the same as sorting the whole vocabulary."""
+    dropped: ranking those few is then the same as sorting the whole vocabulary (on a CPU,
+    where reading whether they do costs nothing)."""
     head = min(_TOP_P_HEAD, probs.shape[-1])
-    values, order = torch.topk(probs, head, dim=-1)  # sorted, descending
-    if head == probs.shape[-1] or bool((values.sum(dim=-1) >= top_p).all()):
-        before = torch.cumsum(values, dim=-1) - values
-        kept = values.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, kept)
-    else:
-        ordered, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(ordered, dim=-1) - ordered
-        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)
-        probs = probs.masked_fill(drop, 0.0)
+    # Whether the head holds top_p is read on the host; on an accelerator that read waits for
+    # the device, and the full sort costs less than the wait: always sorted there.
+    if head == probs.shape[-1] or probs.device.type == "cpu":
+        values, order = torch.topk(probs, head, dim=-1)  # sorted, descending
+        if head == probs.shape[-1] or bool((values.sum(dim=-1) >= top_p).all()):
+            before = torch.cumsum(values, dim=-1) - values
+            kept = values.masked_fill(before >= top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, kept)
+            return probs / probs.sum(dim=-1, keepdim=True)
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered
+    drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p)
+    probs = probs.masked_fill(drop, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..decoding.costs import SettlesNothing
-from ..decoding.engine import align_vocab, cropped_length
+from ..decoding.engine import Tokens, align_vocab, cropped_length, token_list
 from ..errors import GenerationError, ModelLoadError
 
 __all__ = ["LlamaCppModel", "LlamaCppRunner", "LlamaSequence", "available", "check_vocabulary"]
@@ -408,7 +408,7 @@ class LlamaCppRunner(SettlesNothing):
 
     def forward(
         self,
-        input_ids: list[int],
+        input_ids: Tokens,
         cache: LlamaSequence,
         keep: int | None = None,
         tree: list[int] | None = None,
@@ -420,7 +420,7 @@ class LlamaCppRunner(SettlesNothing):
 
     def forward_batch(
         self,
-        requests: Sequence[tuple[list[int], LlamaSequence]],
+        requests: Sequence[tuple[Tokens, LlamaSequence]],
         keep: Sequence[int | None] | None = None,
         vocabs: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
@@ -430,7 +430,7 @@ class LlamaCppRunner(SettlesNothing):
             if not isinstance(cache, LlamaSequence) or cache._model is not self.model:
                 raise TypeError("a llama.cpp forward needs a sequence of the same model")
             count = len(tokens) if k is None else max(0, min(k, len(tokens)))
-            items.append((cache, tokens, count))
+            items.append((cache, token_list(tokens), count))
         logits = self.model.decode(items)
         return [self._finished(torch.from_numpy(rows)) for rows in logits]
 

@@ -200,7 +200,9 @@ def test_suffix_drafts_keep_sampling_exact(small_target, params) -> None:
 def test_the_check_catches_history_drafts_accepted_unverified(small_target, monkeypatch) -> None:
     """Planted bug: deterministic drafts accepted without the ratio test (trusting the
     history). The history proposes tokens the target rarely samples, so the test must fail."""
-    monkeypatch.setattr(acceptance, "_first_rejection", lambda passed: int(passed.shape[0]))
+    monkeypatch.setattr(
+        acceptance, "_first_rejection", lambda passed: torch.tensor(passed.shape[0])
+    )
     params = SamplingParams(1.0)
     marginals = exact_marginals(small_target, params)
     counts = sample_counts(small_target, _history_drafter, params, 4)

@@ -179,10 +179,11 @@ def reference_for(rt: SpecRuntime, params: SamplingParams, steps: int, prompt=PR
     return np.where(np.isin(reference, rt.eos_token_ids), END, reference)
 
 
-def _first_rejection_one_late(accept: torch.Tensor) -> int:
+def _first_rejection_one_late(accept: torch.Tensor) -> torch.Tensor:
     """Planted bug: the first rejected draft token is accepted too."""
     rejected = (~accept).nonzero()
-    return min(int(rejected[0, 0]) + 1, int(accept.shape[0])) if rejected.numel() else len(accept)
+    n = min(int(rejected[0, 0]) + 1, int(accept.shape[0])) if rejected.numel() else len(accept)
+    return torch.tensor(n, device=accept.device)
 
 
 def _residual_is_p(p: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...decoding.engine import Tokens, to_device, token_rows
 from .slots import SlotPool, SlotSequence
 
 __all__ = [
@@ -203,7 +204,7 @@ class CompiledSlots:
         return sorted(self._functions)
 
     def hidden(
-        self, sequences: Sequence[SlotSequence], tokens: Sequence[Sequence[int]]
+        self, sequences: Sequence[SlotSequence], tokens: Sequence[Tokens]
     ) -> tuple[torch.Tensor, int] | None:
         """Hidden states ``[rows, width, hidden]`` of feeding each ``tokens[i]`` after
         ``sequences[i]`` (row = the sequence's slot), and the width; the new KV is written into
@@ -218,18 +219,19 @@ class CompiledSlots:
         rows = min(rows, pool.slots)
         if (rows, width) in self.failed:
             return None
-        ids = torch.zeros(rows, width, dtype=torch.long)
+        fed: list[Tokens] = [[] for _ in range(rows)]
         starts = torch.zeros(rows, dtype=torch.long)
         counts = torch.zeros(rows, dtype=torch.long)
-        for sequence, fed in zip(sequences, tokens, strict=True):
-            ids[sequence.slot, : len(fed)] = torch.tensor(list(fed), dtype=torch.long)
+        for sequence, new in zip(sequences, tokens, strict=True):
+            fed[sequence.slot] = new
             starts[sequence.slot] = sequence.length
-            counts[sequence.slot] = len(fed)
+            counts[sequence.slot] = len(new)
+        ids = token_rows(fed, width, pool.device)
         view = self._views.get(rows)
         if view is None:
             view = self._views[rows] = _PoolView(pool, rows)
-        view.starts.copy_(starts)
-        view.counts.copy_(counts)
+        view.starts.copy_(to_device(starts, pool.device))
+        view.counts.copy_(to_device(counts, pool.device))
         if self._mode is not None and self._marked is not pool.keys[0]:
             # CUDA graphs replay over fixed addresses: the pool's buffers are such (until the
             # pool grows, which compiles the buckets again).
@@ -238,9 +240,7 @@ class CompiledSlots:
             self._marked = pool.keys[0]
         function = self._function(rows, width)
         try:
-            hidden = function(
-                self.body, self._cache_kw, self._mask_dtype, ids.to(pool.device), view
-            )
+            hidden = function(self.body, self._cache_kw, self._mask_dtype, ids, view)
         except Exception as error:  # no toolchain, an op the compiler refuses, a bad graph
             self.failed[(rows, width)] = f"{type(error).__name__}: {error}"[:300]
             _log.warning(

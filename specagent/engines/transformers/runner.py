@@ -26,7 +26,14 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from ...decoding.costs import forward_timer, time_lengths
-from ...decoding.engine import align_vocab, crop_to
+from ...decoding.engine import (
+    Tokens,
+    align_vocab,
+    crop_to,
+    to_device,
+    token_list,
+    token_rows,
+)
 from ...decoding.tree import row_depths, tree_mask
 from .attention import choose_attention, is_sdpa
 from .compiled import CompiledSlots, serial_forwards
@@ -400,7 +407,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self,
-        input_ids: list[int],
+        input_ids: Tokens,
         cache: DynamicCache,
         keep: int | None = None,
         tree: list[int] | None = None,
@@ -415,7 +422,8 @@ class ModelRunner:
         ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
         with serial_forwards(), self._planned():
             if tree is not None:
-                return self._masked(self._tree_forward(input_ids, cache, tree), vocab)
+                rows = token_list(input_ids)
+                return self._masked(self._tree_forward(rows, cache, tree), vocab)
             return self._forward(input_ids, cache, keep, vocab)
 
     def _tree_forward(
@@ -434,11 +442,11 @@ class ModelRunner:
         kwargs: dict[str, Any] = {
             self._cache_kw: cache,
             "use_cache": True,
-            "attention_mask": mask.to(self.device),
-            "position_ids": torch.tensor([[length + d for d in depths]], device=self.device),
+            "attention_mask": to_device(mask, self.device),
+            "position_ids": to_device([[length + d for d in depths]], self.device),
             "cache_position": torch.arange(length, length + len(input_ids), device=self.device),
         }
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        ids = token_rows([input_ids], len(input_ids), self.device)
         return self._finished(self.model(input_ids=ids, **kwargs).logits[0])
 
     def _slot_tree_forward(
@@ -457,17 +465,17 @@ class ModelRunner:
             kwargs: dict[str, Any] = {
                 self._cache_kw: batch,
                 "use_cache": True,
-                "attention_mask": mask.to(self.device),
-                "position_ids": torch.tensor([[length + d for d in depths]], device=self.device),
+                "attention_mask": to_device(mask, self.device),
+                "position_ids": to_device([[length + d for d in depths]], self.device),
             }
-            ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+            ids = token_rows([input_ids], rows, self.device)
             logits = self.model(input_ids=ids, **kwargs).logits[0]
             cache.length += rows
         return self._finished(logits)
 
     def _forward(
         self,
-        input_ids: list[int],
+        input_ids: Tokens,
         cache: DynamicCache,
         keep: int | None,
         vocab: torch.Tensor | None = None,
@@ -482,13 +490,13 @@ class ModelRunner:
     def _run(
         self,
         model: PreTrainedModel,
-        input_ids: list[int],
+        input_ids: Tokens,
         cache: DynamicCache,
         keep: int | None,
         vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of ``model`` over ``input_ids`` after ``cache``: the kept logits."""
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        ids = token_rows([input_ids], len(input_ids), self.device)
         body = self._body if model is self.model else decoder_body(model)
         if self.head_rows is not None and body is not None:
             kw = {self._base_cache_kw: cache, "use_cache": True}
@@ -514,7 +522,7 @@ class ModelRunner:
     def _twin_forward(
         self,
         twin: PreTrainedModel,
-        input_ids: list[int],
+        input_ids: Tokens,
         cache: DynamicCache,
         keep: int | None,
         vocab: torch.Tensor | None = None,
@@ -546,7 +554,7 @@ class ModelRunner:
 
     def _slot_forward(
         self,
-        requests: Sequence[tuple[list[int], SlotSequence]],
+        requests: Sequence[tuple[Tokens, SlotSequence]],
         keeps: Sequence[int | None],
         vocabs: Sequence[torch.Tensor | None],
     ) -> list[torch.Tensor]:
@@ -575,9 +583,6 @@ class ModelRunner:
                     sequence.length += count
                 return [self._finished(rows) for rows in logits]
             batch = SlotBatch(self._pool, sequences, widest)
-            ids = torch.zeros(len(requests), widest, dtype=torch.long)
-            for i, (tokens, _) in enumerate(requests):
-                ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask_dtype = self._mask_dtype()
             mask = batch_mask(
                 batch.starts,
@@ -587,8 +592,8 @@ class ModelRunner:
                 None if isinstance(mask_dtype, str) else mask_dtype,
             )
             inputs = {
-                "input_ids": ids.to(self.device),
-                "attention_mask": mask.to(self.device),
+                "input_ids": token_rows([t for t, _ in requests], widest, self.device),
+                "attention_mask": to_device(mask, self.device),
                 "position_ids": batch.position_index,
                 "use_cache": True,
             }
@@ -605,7 +610,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_batch(
         self,
-        requests: Sequence[tuple[list[int], DynamicCache]],
+        requests: Sequence[tuple[Tokens, DynamicCache]],
         keep: Sequence[int | None] | None = None,
         vocabs: Sequence[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
@@ -641,7 +646,7 @@ class ModelRunner:
 
     def _forward_batch(
         self,
-        requests: Sequence[tuple[list[int], DynamicCache]],
+        requests: Sequence[tuple[Tokens, DynamicCache]],
         keeps: list[int | None],
         call_vocabs: list[torch.Tensor | None],
     ) -> list[torch.Tensor]:
@@ -703,11 +708,9 @@ class ModelRunner:
                         keys[i, :, longest - length :] = own.keys[0, :, :length]
                         values[i, :, longest - length :] = own.values[0, :, :length]
                 batch_cache.update(keys, values, layer)
-        ids = torch.zeros(size, widest, dtype=torch.long)
         mask = torch.zeros(size, longest + widest, dtype=torch.long)
         positions = torch.zeros(size, widest, dtype=torch.long)
         for i, ((tokens, _), length) in enumerate(zip(requests, lengths, strict=True)):
-            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             mask[i, longest - length : longest + len(tokens)] = 1
             positions[i] = torch.arange(length, length + widest)
         # Rows of the flattened [size * widest] positions whose logits are read.
@@ -716,9 +719,9 @@ class ModelRunner:
             for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
         ]
         inputs = {
-            "input_ids": ids.to(self.device),
-            "attention_mask": mask.to(self.device),
-            "position_ids": positions.to(self.device),
+            "input_ids": token_rows([t for t, _ in requests], widest, self.device),
+            "attention_mask": to_device(mask, self.device),
+            "position_ids": to_device(positions, self.device),
             "use_cache": True,
         }
         with self._planned():

@@ -36,7 +36,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...decoding.engine import cropped_length
+from ...decoding.engine import cropped_length, to_device
 
 __all__ = ["SlotBatch", "SlotPool", "SlotSequence", "batch_mask", "slot_shapes"]
 
@@ -214,7 +214,7 @@ class SlotSequence:
         the accepted ``path`` (nodes), moved to follow one another (``tree.keep_path``)."""
         rows = [start + 1 + node for node in path]
         if rows != list(range(start + 1, start + 1 + len(rows))):
-            index = torch.tensor(rows, dtype=torch.long, device=self.pool.device)
+            index = to_device(rows, self.pool.device)
             with self.pool.lock:
                 for held in (*self.pool.keys, *self.pool.values):
                     moved = held[self.slot, :, index]
@@ -292,8 +292,8 @@ class SlotBatch(Cache):
         self.kv_length = max(self.starts) + widest
         pool.ensure(self.kv_length)
         device = pool.device
-        self.slot_tensor = torch.tensor(self.slots, dtype=torch.long, device=device)
-        start = torch.tensor(self.starts, dtype=torch.long, device=device)
+        self.slot_tensor = to_device(self.slots, device)
+        start = to_device(self.starts, device)
         offsets = torch.arange(widest, dtype=torch.long, device=device)
         self.position_index = start[:, None] + offsets[None, :]  # [B, widest]
         self.slot_index = self.slot_tensor[:, None].expand(-1, widest)  # [B, widest]

@@ -60,6 +60,16 @@ def test_random_ragged_rounds_give_the_logits_of_ordinary_caches(model) -> None:
     assert all(isinstance(s, SlotSequence) for _, s in caches)
 
 
+def test_tokens_chosen_on_the_device_run_as_host_tokens(model) -> None:
+    """Half the feeds as tensors (a drafter's tokens, never read on the host): the same logits
+    and lengths, over slots and over ordinary caches batched."""
+    plain = ModelRunner(model)
+    ragged_rounds(
+        plain, ModelRunner(model, slots=True), calls=6, rounds=20, vocab=VOCAB, tol=TOL, tensors=0.5
+    )
+    ragged_rounds(plain, ModelRunner(model), calls=6, rounds=20, vocab=VOCAB, tol=TOL, tensors=0.5)
+
+
 def test_a_kept_prefix_continues_as_the_whole_would(model) -> None:
     runner = ModelRunner(model, slots=True)
     prompt = list(range(3, 40))
