@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...decoding.engine import Tokens, to_device, token_rows
+from ...decoding.engine import Tokens, crop_to, to_device, token_rows
 from .slots import SlotPool, SlotSequence
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "StepChoice",
     "choose_compiled_step",
     "serial_forwards",
+    "warm_buckets",
 ]
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -289,6 +290,7 @@ def choose_compiled_step(
     measure: bool = True,
     context_tokens: int = 64,
     steps: int = 12,
+    warm: bool = True,
 ) -> StepChoice:
     """Decide whether ``runner`` (a ``ModelRunner`` not handed out yet) runs its few-token
     forwards over slots compiled, and set it up accordingly (``runner.compiled``).
@@ -298,7 +300,8 @@ def choose_compiled_step(
     run ``steps`` greedy single-token steps both ways from the same ``context_tokens``-token
     context, and keep the compiled forwards only if they chose the same tokens and took less
     than ``MIN_GAIN`` of the eager time (medians). Without ``measure`` and nothing recorded,
-    forwards stay eager."""
+    forwards stay eager. Compiled forwards are warmed (``warm_buckets``) unless ``warm`` is
+    False."""
     if runner.slots is None:
         runner._use_compiled(None)
         return StepChoice(False, "compiled forwards run over KV slots; this runner has none")
@@ -313,14 +316,36 @@ def choose_compiled_step(
             compile_seconds=stored.get("compile_seconds"),
         )
         runner._use_compiled(runner.compiler() if choice.compiled else None)
-        return choice
-    if not measure:
+    elif not measure:
         runner._use_compiled(None)
         return StepChoice(False, "not measured on this machine: eager steps")
-    choice = _measure(runner, context_tokens, steps)
-    if store is not None:
-        store.put(entry, choice.to_json())
+    else:
+        choice = _measure(runner, context_tokens, steps)
+        if store is not None:
+            store.put(entry, choice.to_json())
+    if choice.compiled and warm:
+        seconds = warm_buckets(runner)
+        _log.info("compiled forwards: one call's buckets warmed in %.1f s", seconds)
     return choice
+
+
+def warm_buckets(runner: Any, widths: Sequence[int] = WIDTHS) -> float:
+    """Compile, before any call needs them, the buckets one call's forwards reach (one row,
+    each of ``widths``): a bucket otherwise compiles at its first use, inside some call's step
+    (seconds on a CPU; with CUDA graphs on a large model, up to a minute). Buckets of several
+    concurrent calls still compile when first met. Runs through the runner's own forwards, as
+    calls do, on a slot it frees again; returns the seconds spent."""
+    start = time.perf_counter()
+    vocab = max(runner.vocab_size - 1, 1)
+    cache = runner.new_cache()
+    # Wider than any bucket, so eager: it also settles the runner's check of its gathered head,
+    # which a compiled forward needs first.
+    runner.forward([i % vocab + 1 for i in range(WIDTHS[-1] + 1)], cache, keep=1)
+    held = cache.get_seq_length()
+    for width in widths:
+        runner.forward([1] * width, cache, keep=1)
+        crop_to(cache, held)
+    return time.perf_counter() - start
 
 
 def _measure(runner: Any, context_tokens: int, steps: int) -> StepChoice:

@@ -7,6 +7,7 @@ records and reuses the decision."""
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from typing import Any
 
@@ -23,7 +24,7 @@ from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner, PrefillTwin, build_runner
-from specagent.engines.transformers.compiled import choose_compiled_step
+from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
 from specagent.machine import model_key
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox"]
@@ -91,6 +92,28 @@ def test_calls_of_other_lengths_compile_nothing_new(small) -> None:
         assert greedy(compiled, prompt, 12) == greedy(eager, prompt, 12)
     assert graphs.count == 1
     assert first == greedy(eager, list(range(3, 40)), 12)
+
+
+def test_a_recorded_decision_warms_one_calls_buckets_at_load(small) -> None:
+    """Compiled forwards taken from the store compile one call's buckets (one row, every
+    width) before any call: a call's plain steps and verifications then compile nothing, and
+    the slot the warm-up used is free again."""
+    runner = ModelRunner(small, slots=True)
+    graphs = Graphs()
+    runner.compiler = functools.partial(ModelRunner.compiler, runner, backend=graphs)  # type: ignore[method-assign]
+    store = MemoryStore({"compiled-step:k": {"compiled": True}})
+    assert choose_compiled_step(runner, key="k", store=store, measure=False).compiled
+    assert runner.compiled is not None
+    assert runner.compiled.buckets == [(1, width) for width in WIDTHS]
+    assert graphs.count == len(WIDTHS)
+    eager = ModelRunner(small, slots=True)
+    prompt = list(range(3, 40))
+    assert greedy(runner, prompt, 6) == greedy(eager, prompt, 6)
+    cache, reference = runner.new_cache(), eager.new_cache()
+    assert cache.slot == 0  # the warm-up's slot was handed back
+    for fed in (prompt, [5, 6, 7], [8] * 9, [9] * 16):
+        torch.testing.assert_close(runner.forward(fed, cache), eager.forward(fed, reference), **TOL)
+    assert graphs.count == len(WIDTHS)
 
 
 def test_a_call_that_outgrows_the_pool_continues_as_eager(small) -> None:
