@@ -14,7 +14,9 @@ forwards do not depend on the weights' values; acceptance does, so it is control
 5. compiled forwards (``engines.transformers.compiled``: fixed-shape forwards over the KV
    slots, CUDA graphs on CUDA): each model's single-token step eager against compiled, as
    ``SpecRuntime(compile_steps=True)`` decides, and specagent with the draft model end to end
-   with compiled forwards on both models against eager, outputs compared;
+   with compiled forwards on both models against eager, outputs compared, each draft decided
+   on the device and read once (the default on a GPU) against read token by token, with the
+   host's waits for the device per generated token counted (CUDA's sync debug mode);
 6. streams: plain greedy calls through the public runtime (each call's KV in a slot of the
    runner's pool, concurrent calls in one batched forward per round), one call and 16 at once,
    eager and compiled, against transformers' ``generate`` with a static cache (which compiles
@@ -34,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -312,29 +315,63 @@ def compiled_steps(target: Any, draft: Any, device: torch.device, new: int) -> d
     ids = [(i * 7919) % (vocab - 1) + 1 for i in range(256)]
     schedule = FixedSchedule(4)
     results = {}
-    for mode in ("eager", "compiled"):
+    # Eager forwards; compiled ones with the draft read token by token on the host; compiled
+    # ones with each draft decided on the device and read once (the default on a GPU).
+    for mode, compiled, on_device in (
+        ("eager", False, False),
+        ("compiled_host_drafts", True, False),
+        ("compiled", True, True),
+    ):
         # A pair of runners per mode, as an engine builds them with and without the decision.
         runners = {
             "target": ModelRunner(target, slots=True),
             "draft": ModelRunner(draft, vocab_size=vocab, slots=True),
         }
-        if mode == "compiled":
+        if compiled:
             for runner in runners.values():
                 runner._use_compiled(runner.compiler())  # the decision, forced for the experiment
-        warm = DraftModelDrafter(runners["draft"])
-        spec_generate(runners["target"], ids, new, warm, schedule)  # warm-up (compiles)
+
+        def decode(runners: dict = runners, on_device: bool = on_device) -> list[int]:
+            drafter = DraftModelDrafter(runners["draft"], on_device=on_device)
+            return spec_generate(runners["target"], ids, new, drafter, schedule)[0]
+
+        decode()  # warm-up (compiles)
+        syncs = device_syncs(decode, device)
         sync(device)
         start = time.perf_counter()
-        drafter = DraftModelDrafter(runners["draft"])
-        tokens, _ = spec_generate(runners["target"], ids, new, drafter, schedule)
+        tokens = decode()
         sync(device)
-        results[mode] = (tokens, time.perf_counter() - start)
+        results[mode] = (tokens, time.perf_counter() - start, syncs)
     out["end_to_end"] = {
-        "eager_tokens_per_s": round(new / results["eager"][1], 2),
-        "compiled_tokens_per_s": round(new / results["compiled"][1], 2),
+        **{
+            f"{mode}_tokens_per_s": round(new / seconds, 2)
+            for mode, (_, seconds, _) in results.items()
+        },
+        **{
+            f"{mode}_device_syncs_per_token": round(syncs / new, 2) if syncs is not None else None
+            for mode, (_, _, syncs) in results.items()
+        },
         "compiled_equal_to_eager": results["compiled"][0] == results["eager"][0],
+        "host_drafts_equal_to_device_drafts": (
+            results["compiled_host_drafts"][0] == results["compiled"][0]
+        ),
     }
     return out
+
+
+def device_syncs(fn: Any, device: torch.device) -> int | None:
+    """How often ``fn`` made the host wait for the GPU (CUDA's sync debug mode warns at each
+    synchronising operation: a read of a device value, a blocking copy); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
 def streams(target: Any, device: torch.device, new: int, calls: int, repeats: int) -> dict:
