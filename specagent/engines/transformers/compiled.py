@@ -63,6 +63,9 @@ __all__ = [
 WIDTHS = (1, 2, 4, 8, 16)
 """New tokens per row that a compiled forward takes, padded up to one of these; wider forwards
 (prompts, drafts of more than 15 tokens) run eagerly."""
+SHORTEST_SPAN = 64
+"""The fewest positions a compiled round attends (rounded up to a power of two from its
+longest row)."""
 MIN_GAIN = 0.92
 """The compiled forwards are kept only where a step takes less than this share of the eager one."""
 
@@ -112,10 +115,11 @@ class _PoolLayer(CacheLayerMixin):
             held[row, :, position] = torch.where(
                 active, new.transpose(1, 2), held[row, :, position]
             )
-        return keys[:rows], values[:rows]
+        span = view.key_positions.shape[0]
+        return keys[:rows, :, :span], values[:rows, :, :span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.view.pool.capacity, 0
+        return self.view.key_positions.shape[0], 0
 
     def get_seq_length(self) -> int:
         return 0  # positions come with the forward; nothing reads the cache's own length
@@ -126,12 +130,14 @@ class _PoolLayer(CacheLayerMixin):
 
 class _PoolView(Cache):
     """The ``Cache`` a compiled forward sees: the pool's first ``rows`` slots, with each row's
-    start and count of new tokens in tensors that keep their addresses between forwards."""
+    start and count of new tokens in tensors that keep their addresses between forwards, and
+    the positions attended (``key_positions``: ``0..span - 1``, a dynamic size)."""
 
     def __init__(self, pool: SlotPool, rows: int) -> None:
         self.pool = pool
         self.starts = torch.zeros(rows, dtype=torch.long, device=pool.device)
         self.counts = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        self.key_positions = torch.arange(0)
         super().__init__(layers=[_PoolLayer(self, i) for i in range(pool.layers)])
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _PoolView:  # pragma: no cover - never kept
@@ -146,11 +152,10 @@ def _hidden_states(
     padding row sees its first position (its output is dropped; all-masked rows give NaN)."""
     width = ids.shape[1]
     device = ids.device
-    capacity = view.pool.capacity
     query = torch.arange(width, device=device)
     positions = view.starts[:, None] + query[None, :]
     last = torch.minimum(query[None, :], (view.counts - 1).clamp(min=0)[:, None])
-    keys = torch.arange(capacity, device=device)
+    keys = view.key_positions
     mask = (keys[None, None, :] <= (view.starts[:, None] + last)[:, :, None])[:, None]
     if mask_dtype is not None:  # eager attention adds its mask
         lowest = torch.finfo(mask_dtype).min
@@ -187,6 +192,7 @@ class CompiledSlots:
             "reduce-overhead" if pool.device.type == "cuda" and backend == "inductor" else None
         )
         self._views: dict[int, _PoolView] = {}
+        self._spans: dict[int, torch.Tensor] = {}
         self._functions: dict[tuple[int, int], Callable[..., torch.Tensor]] = {}
         self._marked: torch.Tensor | None = None
         self.failed: dict[tuple[int, int], str] = {}
@@ -233,6 +239,7 @@ class CompiledSlots:
             view = self._views[rows] = _PoolView(pool, rows)
         view.starts.copy_(to_device(starts, pool.device))
         view.counts.copy_(to_device(counts, pool.device))
+        view.key_positions = self._key_positions(max(s.length for s in sequences) + width)
         if self._mode is not None and self._marked is not pool.keys[0]:
             # CUDA graphs replay over fixed addresses: the pool's buffers are such (until the
             # pool grows, which compiles the buckets again).
@@ -250,6 +257,19 @@ class CompiledSlots:
             return None
         return hidden, width
 
+    def _key_positions(self, end: int) -> torch.Tensor:
+        """``0..span - 1`` on the pool's device: the positions a round whose rows end by
+        ``end`` attends, ``end`` rounded up to a power of two (at least ``SHORTEST_SPAN``, at
+        most the capacity). A dynamic size in the compiled graphs, so a new span compiles
+        nothing (with CUDA graphs, it records one more graph the first time)."""
+        span = min(self.pool.capacity, max(SHORTEST_SPAN, 1 << (end - 1).bit_length()))
+        positions = self._spans.get(span)
+        if positions is None:
+            positions = torch.arange(span, device=self.pool.device)
+            torch._dynamo.mark_dynamic(positions, 0)
+            self._spans[span] = positions
+        return positions
+
     def _function(self, rows: int, width: int) -> Callable[..., torch.Tensor]:
         """The bucket's compiled function: a copy of ``_hidden_states`` under its own code
         object, whose dynamo cache (and recompile limit) is the bucket's alone."""
@@ -257,6 +277,7 @@ class CompiledSlots:
         if function is None:
             code = _hidden_states.__code__.replace(co_name=f"slot_forward_{rows}x{width}")
             fresh = types.FunctionType(code, _hidden_states.__globals__, code.co_name)
+            # Every shape is fixed but the attended span, marked dynamic (``_key_positions``).
             function = torch.compile(fresh, backend=self._backend, mode=self._mode, dynamic=False)
             self._functions[(rows, width)] = function
         return function
