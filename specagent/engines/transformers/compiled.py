@@ -12,9 +12,11 @@ layer for all calls. So a compiled forward here is a forward over a prefix of th
   round: the runtime hands out the lowest free slot, so concurrent calls keep to the first rows)
   and its width a bucket of ``WIDTHS`` (the most new tokens of any row, padded up); a slot with
   nothing to feed this round is a padding row that writes back what its positions held;
-- each row writes its new keys and values at its own positions and attends over the whole
-  capacity of its slot under a per-row mask built inside the graph from two small tensors
-  (each row's start and count), so calls at any length share one graph per (rows, width);
+- each row writes its new keys and values at its own positions and attends over the round's
+  span (the positions up to its longest row's end, rounded up to a power of two) under a
+  per-row mask built inside the graph from two small tensors (each row's start and count);
+  the span is the graph's one dynamic size, so calls at any length share one graph per
+  (rows, width) (with CUDA graphs, a graph is recorded once per span);
 - each bucket has its own compiled function (its own code object, so its own dynamo cache):
   recompiling happens only when the pool itself grows (more slots or positions; the pool does
   not shrink back while steps run compiled);
@@ -34,6 +36,7 @@ machine where it loses never compiles again.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import threading
@@ -87,7 +90,8 @@ def serial_forwards() -> contextlib.AbstractContextManager[Any]:
 
 class _PoolLayer(CacheLayerMixin):
     """One layer of a ``_PoolView``: writes each active row's new keys and values at its own
-    positions (a padding row writes back what it read) and returns the rows' whole slots."""
+    positions (a padding row writes back what it read) and returns the rows' slots up to the
+    view's span."""
 
     is_compileable = True
     is_sliding = False
@@ -246,6 +250,7 @@ class CompiledSlots:
             for held in (*pool.keys, *pool.values):
                 torch._dynamo.mark_static_address(held)
             self._marked = pool.keys[0]
+        first = (rows, width) not in self._functions
         function = self._function(rows, width)
         try:
             hidden = function(self.body, self._cache_kw, self._mask_dtype, ids, view)
@@ -255,6 +260,12 @@ class CompiledSlots:
                 "compiled forward %dx%d failed, running it eagerly: %s", rows, width, error
             )
             return None
+        finally:
+            if first:
+                # Compiling leaves exceptions in reference cycles whose tracebacks hold the
+                # callers' frames, and with them these calls' sequences: collected now, a
+                # finished call's slot is free for the next call, not at some later collection.
+                gc.collect()
         return hidden, width
 
     def _key_positions(self, end: int) -> torch.Tensor:
@@ -266,7 +277,9 @@ class CompiledSlots:
         positions = self._spans.get(span)
         if positions is None:
             positions = torch.arange(span, device=self.pool.device)
-            torch._dynamo.mark_dynamic(positions, 0)
+            # Dynamic where it can be: a span equal to the capacity (a slice of the whole
+            # buffer) specialises, one more graph, once.
+            torch._dynamo.maybe_mark_dynamic(positions, 0)
             self._spans[span] = positions
         return positions
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import gc
 import threading
 from typing import Any
 
@@ -25,6 +24,7 @@ from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner, PrefillTwin, build_runner
+from specagent.engines.transformers.attention import NAME
 from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
 from specagent.machine import model_key
 
@@ -71,6 +71,7 @@ def test_compiled_forwards_over_slots_give_the_eager_logits(small) -> None:
     assert compiled.compiled is not None
     assert len(compiled.compiled.buckets) >= 4  # several shapes were met...
     assert graphs.count == len(compiled.compiled.buckets)  # ...each compiled once
+    assert not compiled.compiled.failed
 
 
 def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
@@ -95,6 +96,35 @@ def test_calls_of_other_lengths_compile_nothing_new(small) -> None:
         assert greedy(compiled, prompt, 12) == greedy(eager, prompt, 12)
     assert graphs.count == 1
     assert first == greedy(eager, list(range(3, 40)), 12)
+    assert compiled.compiled is not None
+    assert not compiled.compiled.failed
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager", NAME])
+def test_sixteen_calls_attending_the_whole_pool_run_compiled(attention) -> None:
+    """Sixteen calls whose round attends every position of every slot (the span is the pool's
+    capacity, a slice of the whole buffer, which fixes the span in a graph of its own): the
+    logits are eager's, nothing falls back."""
+    model = make_model(VOCAB, layers=2, seed=3, hidden=64, max_positions=4096)
+    model.config._attn_implementation = attention
+    compiled, graphs = counted_runner(model)
+    eager = ModelRunner(model, slots=True)
+    assert compiled.slots is not None
+    pairs = [(compiled.new_cache(), eager.new_cache()) for _ in range(16)]
+    for i, (ours, theirs) in enumerate(pairs):
+        prompt = [(i + j) % (VOCAB - 1) + 1 for j in range(180 + i)]
+        compiled.forward(prompt, ours, keep=1)
+        eager.forward(prompt, theirs, keep=1)
+    for step in range(3):  # spans of 256 positions: the capacity
+        assert compiled.slots.capacity == 256
+        feeds = [[(step + i) % (VOCAB - 1) + 1] for i in range(16)]
+        got = compiled.forward_batch(list(zip(feeds, [a for a, _ in pairs], strict=True)))
+        want = eager.forward_batch(list(zip(feeds, [b for _, b in pairs], strict=True)))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **TOL)
+    assert compiled.compiled is not None
+    assert not compiled.compiled.failed
+    assert graphs.count == 1
 
 
 def test_a_recorded_decision_warms_one_calls_buckets_at_load(small) -> None:
@@ -112,7 +142,6 @@ def test_a_recorded_decision_warms_one_calls_buckets_at_load(small) -> None:
     eager = ModelRunner(small, slots=True)
     prompt = list(range(3, 40))
     assert greedy(runner, prompt, 6) == greedy(eager, prompt, 6)
-    gc.collect()  # a sequence is handed back when dropped, in a cycle at the next collection
     cache, reference = runner.new_cache(), eager.new_cache()
     assert cache.slot == 0  # the warm-up's slot was handed back
     for fed in (prompt, [5, 6, 7], [8] * 9, [9] * 16):
@@ -131,6 +160,8 @@ def test_a_call_that_outgrows_the_pool_continues_as_eager(small) -> None:
     assert greedy(compiled, prompt, 100) == greedy(eager, prompt, 100)
     assert compiled.slots.capacity >= 300
     assert graphs.count == 2  # the step before and after the pool grew
+    assert compiled.compiled is not None
+    assert not compiled.compiled.failed
 
 
 @pytest.mark.slow  # compiles with inductor
