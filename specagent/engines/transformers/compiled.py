@@ -270,10 +270,13 @@ class CompiledSlots:
 
     def _key_positions(self, end: int) -> torch.Tensor:
         """``0..span - 1`` on the pool's device: the positions a round whose rows end by
-        ``end`` attends, ``end`` rounded up to a power of two (at least ``SHORTEST_SPAN``, at
-        most the capacity). A dynamic size in the compiled graphs, so a new span compiles
-        nothing (with CUDA graphs, it records one more graph the first time)."""
-        span = min(self.pool.capacity, max(SHORTEST_SPAN, 1 << (end - 1).bit_length()))
+        ``end`` attends, ``end`` rounded up to a quarter step between powers of two (5, 6, 7
+        or 8 eighths of the next one: at most a quarter more than needed, where a power of two
+        could be twice as much right past one; at least ``SHORTEST_SPAN``, at most the
+        capacity). A dynamic size in the compiled graphs, so a new span compiles nothing (with
+        CUDA graphs, it records one more graph the first time: four per doubling)."""
+        step = max(1 << max((end - 1).bit_length() - 3, 0), 1)
+        span = min(self.pool.capacity, max(SHORTEST_SPAN, -(-end // step) * step))
         positions = self._spans.get(span)
         if positions is None:
             positions = torch.arange(span, device=self.pool.device)

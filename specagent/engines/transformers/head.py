@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...decoding.engine import to_device
 from .quantized import Int8Linear
 
 __all__ = [
@@ -107,14 +108,15 @@ def restricted_logits(
     union = torch.unique(torch.cat([always, *own])) if own or always.numel() else always
     if not union.numel():
         return out
-    union = union.to(hidden.device)
+    union = to_device(union, hidden.device)
     extra = project_rows(head, hidden, union)
     if always.numel():
-        out[:, always.to(hidden.device)] = extra[:, torch.searchsorted(union, always)]
+        always = to_device(always, hidden.device)
+        out[:, always] = extra[:, torch.searchsorted(union, always)]
     start = 0
     for count, ids in pieces:
         if ids is not None and ids.numel():
-            ids = ids.to(hidden.device)
+            ids = to_device(ids, hidden.device)
             out[start : start + count, ids] = extra[start : start + count][
                 :, torch.searchsorted(union, ids)
             ]

@@ -329,9 +329,9 @@ class ModelRunner:
             return logits
         kept = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         kept[: self.head_rows] = True
-        kept[self._head_always.to(logits.device)] = True
+        kept[to_device(self._head_always, logits.device)] = True
         if vocab is not None:
-            kept[vocab.to(logits.device)] = True
+            kept[to_device(vocab, logits.device)] = True
         return logits.masked_fill(~kept, float("-inf"))
 
     def _planned(self) -> contextlib.AbstractContextManager[None]:
@@ -803,10 +803,9 @@ def _gathered(
     hidden: torch.Tensor, wanted: list[tuple[int, int, int]], widest: int
 ) -> torch.Tensor:
     """The wanted positions of ``hidden`` ``[rows, widest, H]``, one after another ``[n, H]``."""
-    index = torch.tensor(
+    index = to_device(
         [row * widest + j for row, start, stop in wanted for j in range(start, stop)],
-        dtype=torch.long,
-        device=hidden.device,
+        hidden.device,
     )
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
 
