@@ -8,8 +8,8 @@ transformers then repeats every key/value head for its query heads (``repeat_kv`
 kernel: a copy of the whole cached KV per layer per forward, which on a CPU also sends the
 kernel down a slower path. Measured on a 2-core Zen 4 (``benchmarks/batched_decode.py``: Llama
 12 x 256, 8 query and 4 key/value heads, 16 calls over slots at 2,048 tokens): a verification
-of 5 new tokens per call took 227 ms with the repeat and 74 ms with torch's own grouped heads
-(``enable_gqa``), and calls drafting 4 tokens a round decoded at 0.37x the time per token; one
+of 5 new tokens per call took 242 ms with the repeat and 86 ms with torch's own grouped heads
+(``enable_gqa``), and calls drafting 4 tokens a round decoded at 0.32x the time per token; one
 new token costs the same either way in eager mode (transformers folds the groups into the
 query for a single token, but not under ``torch.compile``, so compiled graphs take the grouped
 heads for one token too). torch's grouped

@@ -23,9 +23,9 @@ layer for all calls. So a compiled forward here is a forward over a prefix of th
 - wider forwards (prompts) and token trees run eagerly over the same slots.
 
 Neither gain is a law. On a 2-core AMD EPYC (``benchmarks/batched_decode.py``, a Llama 12 x
-256, 16 calls), compiled forwards decoded a token in 1.26 ms against eager's 1.50 at 32 tokens
-of context but in 4.30 ms against 2.95 at 2,048 (a row attends over its slot's whole capacity,
-4,096 positions there, twice what the eager round reads); before this design, over per-call
+256, 16 calls), compiled forwards decoded a token in 1.33 ms against eager's 1.57 at 32 tokens
+of context but in 3.33 ms against 2.97 at 2,048 (attending a span rounded up to 2,560
+positions where the eager round reads about 2,210); before this design, over per-call
 static caches, the 0.5B Qwen draft's compiled single-token step took 0.228 s against 0.164 s
 eager, after 76 s of compiling. So ``choose_compiled_step`` compiles,
 checks that compiled steps give the eager steps' tokens, times both, keeps the compiled forwards
