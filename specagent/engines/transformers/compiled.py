@@ -13,7 +13,7 @@ layer for all calls. So a compiled forward here is a forward over a prefix of th
   and its width a bucket of ``WIDTHS`` (the most new tokens of any row, padded up); a slot with
   nothing to feed this round is a padding row that writes back what its positions held;
 - each row writes its new keys and values at its own positions and attends over the round's
-  span (the positions up to its longest row's end, rounded up to a power of two) under a
+  span (the positions up to its longest row's end, rounded up by at most a quarter) under a
   per-row mask built inside the graph from two small tensors (each row's start and count);
   the span is the graph's one dynamic size, so calls at any length share one graph per
   (rows, width) (with CUDA graphs, a graph is recorded once per span);
@@ -67,8 +67,7 @@ WIDTHS = (1, 2, 4, 8, 16)
 """New tokens per row that a compiled forward takes, padded up to one of these; wider forwards
 (prompts, drafts of more than 15 tokens) run eagerly."""
 SHORTEST_SPAN = 64
-"""The fewest positions a compiled round attends (rounded up to a power of two from its
-longest row)."""
+"""The fewest positions a compiled round attends (``CompiledSlots._key_positions``)."""
 MIN_GAIN = 0.92
 """The compiled forwards are kept only where a step takes less than this share of the eager one."""
 
@@ -225,7 +224,8 @@ class CompiledSlots:
         pool = self.pool
         widest = max(len(t) for t in tokens)
         width = next(w for w in WIDTHS if w >= widest)
-        pool.ensure(max(s.length for s in sequences) + width)
+        end = max(s.length for s in sequences) + width  # the positions this round reaches
+        pool.ensure(end)
         rows = 1 << (max(s.slot for s in sequences)).bit_length()
         rows = min(rows, pool.slots)
         if (rows, width) in self.failed:
@@ -243,7 +243,7 @@ class CompiledSlots:
             view = self._views[rows] = _PoolView(pool, rows)
         view.starts.copy_(to_device(starts, pool.device))
         view.counts.copy_(to_device(counts, pool.device))
-        view.key_positions = self._key_positions(max(s.length for s in sequences) + width)
+        view.key_positions = self._key_positions(end)
         if self._mode is not None and self._marked is not pool.keys[0]:
             # CUDA graphs replay over fixed addresses: the pool's buffers are such (until the
             # pool grows, which compiles the buckets again).
@@ -275,7 +275,7 @@ class CompiledSlots:
         could be twice as much right past one; at least ``SHORTEST_SPAN``, at most the
         capacity). A dynamic size in the compiled graphs, so a new span compiles nothing (with
         CUDA graphs, it records one more graph the first time: four per doubling)."""
-        step = max(1 << max((end - 1).bit_length() - 3, 0), 1)
+        step = 1 << max((end - 1).bit_length() - 3, 0)
         span = min(self.pool.capacity, max(SHORTEST_SPAN, -(-end // step) * step))
         positions = self._spans.get(span)
         if positions is None:
