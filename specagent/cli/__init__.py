@@ -71,6 +71,9 @@ def _dispatch(args: argparse.Namespace) -> int | None:
             return 0
         if args.action == "info":
             return _model_info(args)
+        if args.name not in CATALOG:
+            known = ", ".join(sorted(CATALOG))
+            raise SpecAgentError(f"{args.name!r} is not a catalog model (known: {known})")
         print(resolve_gguf(args.name) if args.gguf else resolve_model(args.name))
         return 0
     if args.command == "run":
@@ -240,7 +243,10 @@ def _model_info(args: argparse.Namespace) -> int:
         "compiled_steps": runtime.compiled_steps,
     }
     print(json.dumps(described, indent=1))
-    print(f"engine: {runtime.engine_choice['engine']} ({runtime.engine_choice['reason']})")
+    from ..engines import describe
+
+    for line in describe(runtime.engine_choice):
+        print(line)
     for role, choice in runtime.precision.items():
         print(f"{role}: {choice['dtype']} ({choice['reason']})")
     for role, step in runtime.compiled_steps.items():

@@ -55,6 +55,7 @@ def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto"
         raise SpecAgentError(
             'the demo needs the LangChain extra: pip install "specagent[langchain]"'
         ) from exc
+    from ..engines import describe
     from ..policy import shipped_policies
     from ..runtime import SpecRuntime
 
@@ -69,8 +70,8 @@ def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto"
         policies=policies if policies is not None else shipped_policies(),
         engine=engine,
     )
-    engine_choice = runtime.engine_choice
-    print(f"engine: {engine_choice['engine']} ({engine_choice['reason']})", flush=True)
+    for line in describe(runtime.engine_choice):
+        print(line, flush=True)
     for role, choice in runtime.precision.items():
         print(f"{role} runs in {choice['dtype']}: {choice['reason']}", flush=True)
 

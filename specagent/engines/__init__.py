@@ -13,6 +13,7 @@ otherwise. A model object of another engine than transformers offers ``runner(vo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +28,7 @@ __all__ = [
     "EngineChoice",
     "EngineName",
     "choose_engine",
+    "describe",
     "is_engine_model",
     "runner_for",
 ]
@@ -98,3 +100,17 @@ def runner_for(model: Any, vocab_size: int | None = None, **options: Any) -> tup
     from .transformers import build_runner
 
     return build_runner(model, vocab_size, **options)
+
+
+def describe(choice: Mapping[str, Any]) -> list[str]:
+    """``SpecRuntime.engine_choice`` in lines for a person (the demo's header, ``models info``,
+    the server's start-up line, ``doctor``): the engine and why, then each fast path a model
+    runs with or without and why (``llama_cpp.probe``), and what proving them cost."""
+    lines = [f"engine: {choice.get('engine')} ({choice.get('reason')})"]
+    for role, paths in (choice.get("fast_paths") or {}).items():
+        lines.extend(f"{role}: {path['reason']}" for path in paths.get("paths", {}).values())
+        if paths.get("probe_s") is not None:
+            lines.append(
+                f"{role}: fast paths proven in a child process in {paths['probe_s']:.1f} s"
+            )
+    return lines

@@ -123,8 +123,11 @@ class SpecRuntime:
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
         self.engine: str = str(getattr(target, "engine", "transformers"))
         """Which engine runs the forwards (``transformers`` or ``llama.cpp``)."""
-        self.engine_choice: dict[str, str] = {"engine": self.engine, "reason": "model passed in"}
-        """The engine and why it was chosen (``from_pretrained``'s ``engine``)."""
+        self.engine_choice: dict[str, Any] = {"engine": self.engine, "reason": "model passed in"}
+        """The engine and why it was chosen (``from_pretrained``'s ``engine``), and on llama.cpp
+        which optional fast paths each model runs with and why (``fast_paths``: a path that
+        crashed or miscomputed in a child process at load stays off; ``engines.describe``
+        words it)."""
         check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
         if is_engine_model(self.target):
             _refuse_early_exit(self.policies, self.draft is not None, self.engine)

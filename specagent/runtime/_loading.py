@@ -38,8 +38,9 @@ class Loaded:
     draft_prefill: PrefillTwin | None = None
     """A full-precision copy of the draft for its long forwards, where they measured faster so
     (``precision``)."""
-    engine: dict[str, str] = field(default_factory=dict)
-    """The engine that runs the forwards and why (``engines.EngineChoice.to_json``)."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """The engine that runs the forwards and why (``engines.EngineChoice.to_json``), with what
+    it proved and turned off at load (``fast_paths`` per role, on llama.cpp)."""
 
 
 def load_pair(
@@ -126,10 +127,17 @@ def _load_gguf_pair(
         raise ModelLoadError(msg)
     target_model, tokenizer = loaded(target)
     draft_model, draft_tokenizer = loaded(draft) if draft is not None else (None, None)
+    models = {"target": target_model, "draft": draft_model}
     precision = {
         role: {"dtype": "gguf", "reason": f"the GGUF as shipped ({model.description})"}
-        for role, model in (("target", target_model), ("draft", draft_model))
+        for role, model in models.items()
         if model is not None
+    }
+    engine = {
+        **choice.to_json(),
+        "fast_paths": {
+            role: model.fast_paths.to_json() for role, model in models.items() if model is not None
+        },
     }
     return Loaded(
         target_model,
@@ -141,7 +149,7 @@ def _load_gguf_pair(
         str(target_model.path),
         precision,
         None,
-        choice.to_json(),
+        engine,
     )
 
 

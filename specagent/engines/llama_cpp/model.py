@@ -1,30 +1,11 @@
-"""The llama.cpp engine: GGUF models as shipped (quantized weights untouched), run by llama.cpp
-through llama-cpp-python's low-level API.
-
-On a CPU llama.cpp is the fastest thing there is for a GGUF model; specagent keeps its own
-decoding (drafters, acceptance, grammar, history) and hands llama.cpp only forwards:
-
-- one ``LlamaCppModel`` owns a llama context whose KV memory is one unified pool of cells
-  shared by up to ``max_sequences`` sequences (``kv_unified``);
-- a call's KV is a ``LlamaSequence``: a sequence id in that pool and its length. Rolling back
-  rejected drafts removes the sequence's positions past a length (``llama_memory_seq_rm``); a
-  kept prefix is copied into a new sequence id (``llama_memory_seq_cp``), which in a unified
-  pool shares the cells instead of copying them, so the prefix cache costs ids, not memory;
-- ``LlamaCppRunner.forward_batch`` is one ``llama_decode`` over every call's new tokens (each
-  at its own positions, in its own sequence), asking logits only for the rows somebody reads:
-  llama.cpp then runs the vocabulary projection over those rows alone.
-
-Every call of a model's context happens on the runtime's worker thread. A sequence that is
-dropped elsewhere (the garbage collector runs anywhere) is only queued, and its id is freed by
-the next call on the worker.
-"""
+"""The llama.cpp engine's model (a GGUF file and one llama context), its sequences and its
+runner: the pieces the package's docstring describes."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import ctypes
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,61 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..decoding.costs import SettlesNothing
-from ..decoding.engine import Tokens, align_vocab, cropped_length, token_list
-from ..errors import GenerationError, ModelLoadError
+from ...decoding.costs import SettlesNothing
+from ...decoding.engine import Tokens, align_vocab, cropped_length, token_list
+from ...errors import GenerationError, ModelLoadError
+from ...machine import ProbeStore
+from .library import default_threads, library
+from .probe import FastPaths, Switch, choose_fast_paths
 
-__all__ = ["LlamaCppModel", "LlamaCppRunner", "LlamaSequence", "available", "check_vocabulary"]
+__all__ = ["LlamaCppModel", "LlamaCppRunner", "LlamaSequence", "check_vocabulary"]
 
 ENGINE = "llama.cpp"
-
-
-def available() -> bool:
-    """Whether llama-cpp-python is installed (the ``gguf`` extra)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _library() -> Any:
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        msg = 'the llama.cpp engine needs llama-cpp-python: pip install "specagent[gguf]"'
-        raise ModelLoadError(msg) from exc
-    _quiet(llama_cpp)
-    return llama_cpp
-
-
-_LOG_LOCK = threading.Lock()
-_LOG_CALLBACK: Any = None
-
-
-def _quiet(lib: Any) -> None:
-    """Route llama.cpp's own log lines (hundreds per load) to nowhere but errors: once."""
-    global _LOG_CALLBACK
-    with _LOG_LOCK:
-        if _LOG_CALLBACK is not None:
-            return
-
-        def log(level: int, text: bytes, _user: Any) -> None:
-            if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
-                os.write(2, b"llama.cpp: " + text)
-
-        _LOG_CALLBACK = lib.llama_log_callback(log)
-        lib.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-        lib.llama_backend_init()
-
-
-def default_threads() -> int:
-    """llama.cpp's own default: the physical cores this process may use (at least one)."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable)
 
 
 class LlamaSequence:
@@ -130,7 +66,13 @@ class LlamaCppModel:
     bounds how many calls, their drafts' KV and kept prefixes exist at once (llama.cpp allows
     256; the default leaves a runtime's 64 active calls room for their prefixes); ``threads``
     defaults to the CPUs this process may use; ``batch_tokens`` is the most tokens one
-    ``llama_decode`` takes (longer forwards are split)."""
+    ``llama_decode`` takes (longer forwards are split).
+
+    ``repack`` (llama.cpp's weight repacking into its CPU-specific "extra buffer types", e.g.
+    AMX tiles) and ``flash_attention`` are fast paths that kill the process on some machines:
+    ``"auto"`` uses each only once a child process proved it on this machine with this file
+    (``probe``; the verdict is kept in ``probe_store``, default the cache directory's),
+    ``True`` uses it unproven, ``False`` never. ``fast_paths`` says what was chosen and why."""
 
     engine = ENGINE
 
@@ -142,16 +84,31 @@ class LlamaCppModel:
         max_sequences: int = 160,
         threads: int | None = None,
         batch_tokens: int = 512,
-        flash_attention: bool = True,
+        repack: Switch = "auto",
+        flash_attention: Switch = "auto",
         name: str | None = None,
+        probe_store: ProbeStore | None = None,
     ) -> None:
-        lib = _library()
+        from ...catalog import cache_dir
+
+        lib = library()
         self._lib = lib
         self.path = Path(path)
         self.name = name or self.path.stem
         if not self.path.is_file():
             raise ModelLoadError(f"no GGUF file at {self.path}")
+        self.threads = threads or default_threads()
+        self.batch_tokens = batch_tokens
+        self.fast_paths: FastPaths = choose_fast_paths(
+            self.path,
+            {"repack": repack, "flash_attention": flash_attention},
+            threads=self.threads,
+            batch_tokens=batch_tokens,
+            store=probe_store or ProbeStore(cache_dir() / "probes"),
+        )
+        """Which optional fast paths this model runs with, and why (``probe``)."""
         model_params = lib.llama_model_default_params()
+        model_params.use_extra_bufts = self.fast_paths.enabled("repack")
         model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
         if not model:
             raise ModelLoadError(
@@ -160,8 +117,6 @@ class LlamaCppModel:
         self._model = model
         limit = int(lib.llama_max_parallel_sequences())
         self.max_sequences = max(1, min(max_sequences, limit))
-        self.threads = threads or default_threads()
-        self.batch_tokens = batch_tokens
         params = lib.llama_context_default_params()
         params.n_ctx = context_tokens
         params.n_batch = batch_tokens
@@ -173,10 +128,10 @@ class LlamaCppModel:
         params.n_threads = self.threads
         params.n_threads_batch = self.threads
         params.kv_unified = True  # kept prefixes share cells with the calls that made them
-        self.flash_attention = flash_attention
+        self.flash_attention = self.fast_paths.enabled("flash_attention")
         params.flash_attn_type = (
             lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if flash_attention
+            if self.flash_attention
             else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         params.no_perf = True
@@ -236,6 +191,7 @@ class LlamaCppModel:
             "threads": self.threads,
             "batch_tokens": self.batch_tokens,
             "flash_attention": self.flash_attention,
+            "repack": self.fast_paths.enabled("repack"),
             "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
         }
 
@@ -396,7 +352,7 @@ class LlamaCppRunner(SettlesNothing):
 
     def speed_key(self, *parts: object) -> str:
         """The GGUF's description, size and the context's settings (``LlamaCppModel.key``)."""
-        from ..machine import config_key
+        from ...machine import config_key
 
         return config_key(self.model.key(), *parts)
 
