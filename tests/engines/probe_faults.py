@@ -30,7 +30,8 @@ def main() -> int:
     fault, shapes_file, spec = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     kind, _, target = fault.partition(":")
     loaded = importlib.util.spec_from_file_location("probe_child", CHILD)
-    assert loaded is not None and loaded.loader is not None
+    assert loaded is not None
+    assert loaded.loader is not None
     child = importlib.util.module_from_spec(loaded)
     loaded.loader.exec_module(child)
     import llama_cpp

@@ -18,9 +18,9 @@ from specagent.machine import ProbeStore
 
 pytest.importorskip("llama_cpp")
 
-from specagent.engines.llama_cpp import LlamaCppModel  # noqa: E402
-from specagent.engines.llama_cpp.probe import choose_fast_paths  # noqa: E402
-from specagent.engines.llama_cpp.sample import write_sample_gguf  # noqa: E402
+from specagent.engines.llama_cpp import LlamaCppModel
+from specagent.engines.llama_cpp.probe import choose_fast_paths
+from specagent.engines.llama_cpp.sample import write_sample_gguf
 
 FAULTS = Path(__file__).with_name("probe_faults.py")
 
