@@ -173,6 +173,11 @@ class ProbeStore:
             return {}
         return data if isinstance(data, dict) else {}
 
+    def entries(self) -> dict[str, Any]:
+        """Everything recorded for this machine (``specagent doctor`` shows it)."""
+        entries = self._read().get("entries", {})
+        return dict(entries) if isinstance(entries, dict) else {}
+
     def get(self, key: str) -> Any | None:
         return self._read().get("entries", {}).get(key)
 

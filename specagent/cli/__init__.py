@@ -1,4 +1,5 @@
-"""The ``specagent`` command line: demo, run, bench, policies validate, models."""
+"""The ``specagent`` command line: demo, doctor, run, serve, bench, eval, tune, policies,
+models, keys."""
 
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ def _dispatch(args: argparse.Namespace) -> int | None:
             raise SpecAgentError(f"{args.name!r} is not a catalog model (known: {known})")
         print(resolve_gguf(args.name) if args.gguf else resolve_model(args.name))
         return 0
+    if args.command == "doctor":
+        from .doctor import run_doctor
+
+        return run_doctor(as_json=args.json)
     if args.command == "run":
         return _run(args)
     if args.command == "serve":

@@ -66,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policies", default=None, help=POLICIES_HELP)
     _engine_option(demo)
 
+    doctor = _command(
+        sub,
+        "doctor",
+        "what this machine is and which engines run on it (run it first; paste it in bug reports)",
+        "Prints the machine (CPU model, ISA flags, cores, memory, accelerator), the installed "
+        "engines and their versions, and proves each engine here in child processes without "
+        "fetching a model: transformers on a tiny model in float32 and bfloat16, llama.cpp on a "
+        "small quantized GGUF written on the spot, with which of its fast paths (weight "
+        "repacking, flash attention) run here and which crashed, with the signal. Then what "
+        "earlier runs measured and chose on this machine: dtypes, compiled steps, llama.cpp's "
+        "fast paths per model, step-cost curves. Exits 1 when no engine runs here.",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+
     run = _command(
         sub,
         "run",

@@ -43,6 +43,7 @@ __all__ = [
     "PathChoice",
     "Switch",
     "choose_fast_paths",
+    "describe_exit",
 ]
 
 log = logging.getLogger("specagent.engines.llama_cpp")
@@ -141,27 +142,36 @@ def choose_fast_paths(
         return FastPaths(asked_for)
     key = _verdict_key(path, forced, threads, batch_tokens)
     kept = store.get(key) if store is not None else None
-    if isinstance(kept, dict) and set(kept) == set(autos):
+    if isinstance(kept, dict) and set(kept.get("paths", ())) == set(autos):
         choices = {
-            name: PathChoice(bool(c["enabled"]), str(c["reason"])) for name, c in kept.items()
+            name: PathChoice(bool(c["enabled"]), str(c["reason"]))
+            for name, c in kept["paths"].items()
         }
         return FastPaths({**asked_for, **choices}, stored=True)
     started = time.perf_counter()
     log.info(
-        "proving llama.cpp's %s on this machine in a child process before using them "
-        "(once per machine and model file)",
+        "proving llama.cpp's %s on this machine in a child process before using them%s",
         " and ".join(FAST_PATHS[name] for name in autos),
+        " (once per machine and model file)" if store is not None else "",
     )
     prover = _Prover(path, threads, batch_tokens, list(child or _default_child()))
     choices = prover.decide(autos, forced)
     probe_s = time.perf_counter() - started
     log.info(
-        "llama.cpp's fast paths decided in %.1f s (kept for this machine): %s",
+        "llama.cpp's fast paths decided in %.1f s%s: %s",
         probe_s,
+        " (kept for this machine)" if store is not None else "",
         ", ".join(f"{FAST_PATHS[n]} {'on' if c.enabled else 'off'}" for n, c in choices.items()),
     )
     if store is not None:
-        store.put(key, {name: choice.to_json() for name, choice in choices.items()})
+        store.put(
+            key,
+            {
+                "model": path.name,
+                "paths": {name: choice.to_json() for name, choice in choices.items()},
+                "probe_s": round(probe_s, 2),
+            },
+        )
     return FastPaths({**asked_for, **choices}, probe_s=probe_s)
 
 
@@ -282,11 +292,13 @@ class _Prover:
                     stage = str(said["stage"])
             if len(outcomes) == len(configs):
                 return outcomes
-            outcomes.append(_Outcome(False, stage, _failure(stage, code, stderr)))
+            outcomes.append(_Outcome(False, stage, describe_exit(stage, code, stderr)))
             return outcomes
 
 
-def _failure(stage: str, code: int | None, stderr: str) -> str:
+def describe_exit(stage: str, code: int | None, stderr: str) -> str:
+    """How a child process ended that did not finish: ``crashed in STAGE (signal 11,
+    SIGSEGV)``, ``failed in STAGE (its last error line)``, ``hung in STAGE (...)``."""
     if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
