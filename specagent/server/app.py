@@ -312,7 +312,16 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         refused(request, error.status)
         return error.response()
 
-    app.state.drain = lambda: setattr(draining, "on", True)
+    def drain() -> None:
+        """From now on new calls get 503; the calls in flight finish (whoever runs the app
+        waits for them)."""
+        draining.on = True
+        log.info(
+            "draining: new calls get 503; calls in flight, which finish first: %d",
+            limits.total_in_flight(),
+        )
+
+    app.state.drain = drain
     app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
     if options.meter_provider is not None:
         app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost

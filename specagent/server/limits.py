@@ -89,3 +89,8 @@ class Limits:
     def in_flight(self, name: str) -> int:
         with self._lock:
             return self._in_flight.get(name, 0)
+
+    def total_in_flight(self) -> int:
+        """Calls in flight over every key (responses not yet ended)."""
+        with self._lock:
+            return sum(self._in_flight.values())

@@ -219,7 +219,7 @@ async def test_cancelled_call_stops_at_the_next_step(runtime) -> None:
     worker = runtime._ensure_worker()
     with anyio.move_on_after(0.05):
         await runtime.generate("long " * 5, policy="exact", max_new_tokens=400, temperature=1.0)
-    for _ in range(100):  # the worker drops it before its next step
+    for _ in range(1000):  # the worker drops it before its next step (however busy it is)
         if not worker.active:
             break
         await anyio.sleep(0.01)

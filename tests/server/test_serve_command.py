@@ -75,7 +75,7 @@ def test_serve_drains_on_sigterm(tmp_path: Path) -> None:
             body = {
                 "model": "tiny",
                 "messages": [{"role": "user", "content": "Hello world"}],
-                "max_tokens": 1500,
+                "max_tokens": 4000,
                 "stream": True,
             }
             with httpx.stream(
@@ -97,7 +97,9 @@ def test_serve_drains_on_sigterm(tmp_path: Path) -> None:
         assert events[-1] == {"done": True}  # the call in flight was not cut
         finishing = [e for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
         assert finishing[0]["choices"][0]["finish_reason"] == "length"
-        assert finishing[0]["speculative_decoding_stats"]["latency_s"] > 1.0
+        server_log = (tmp_path / "server.log").read_text()
+        # The call was in flight when the drain began (what happened, not how long it took).
+        assert "calls in flight, which finish first: 1" in server_log, server_log
         try:  # after SIGTERM: 503 on a connection still open, or no longer listening
             late = httpx.get(f"{url}/ready", timeout=2)
             assert late.status_code == 503
