@@ -43,8 +43,10 @@ async def handle(runtime: SpecRuntime, i: int) -> None:
     )
 
 
-async def main(target: str, calls: int) -> None:
-    runtime = SpecRuntime.from_pretrained(target, policies=shipped_policies(), max_queue=64)
+async def main(target: str, calls: int, engine: str = "auto") -> None:
+    runtime = SpecRuntime.from_pretrained(
+        target, policies=shipped_policies(), max_queue=64, engine=engine
+    )
     async with runtime:
         print("streaming one call:")
         async for chunk in runtime.stream(
@@ -68,5 +70,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--calls", type=int, default=8)
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "transformers", "llama.cpp"],
+        help="what runs the forwards (auto: llama.cpp for a GGUF model on a CPU)",
+    )
     args = parser.parse_args()
-    anyio.run(main, args.target, args.calls)
+    anyio.run(main, args.target, args.calls, args.engine)

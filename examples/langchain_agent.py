@@ -40,9 +40,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--draft", default=None)
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "transformers", "llama.cpp"],
+        help="what runs the forwards (auto: llama.cpp for a GGUF model on a CPU)",
+    )
     args = parser.parse_args()
     runtime = SpecRuntime.from_pretrained(
-        args.target, draft=args.draft, policies=shipped_policies()
+        args.target, draft=args.draft, policies=shipped_policies(), engine=args.engine
     )
     # Greedy per call (the policy samples at 0.3): the same run every time, token for token.
     # One shop (tenant): the agent's turns reuse each other's KV and text.

@@ -66,13 +66,21 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--draft", default=None)
     parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "transformers", "llama.cpp"],
+        help="what runs the forwards (auto: llama.cpp for a GGUF model on a CPU)",
+    )
+    parser.add_argument(
         "--policies", default=None, help="policy directory added to the shipped policies"
     )
     args = parser.parse_args()
 
     shipped = shipped_policies()
     policies = load_policies(args.policies, extends=shipped) if args.policies else shipped
-    runtime = SpecRuntime.from_pretrained(args.target, draft=args.draft, policies=policies)
+    runtime = SpecRuntime.from_pretrained(
+        args.target, draft=args.draft, policies=policies, engine=args.engine
+    )
     model = ChatSpecAgent(runtime=runtime, policy="customer-reply", max_tokens=160, tenant="shop")
     ticket = "Hi, my order A-10234 should have arrived on Monday. Where is it? - Maria"
 

@@ -47,12 +47,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "transformers", "llama.cpp"],
+        help="what runs the forwards (auto: llama.cpp for a GGUF model on a CPU)",
+    )
+    parser.add_argument(
         "--otlp", default=None, help="OTLP/HTTP endpoint, e.g. http://localhost:4318"
     )
     args = parser.parse_args()
     configure(args.otlp)
 
-    runtime = SpecRuntime.from_pretrained(args.target, policies=shipped_policies())
+    runtime = SpecRuntime.from_pretrained(
+        args.target, policies=shipped_policies(), engine=args.engine
+    )
     tracer = trace.get_tracer("support-bot")
     with tracer.start_as_current_span("handle ticket"):  # specagent's spans nest under this one
         runtime.generate_sync("Where is my parcel?", policy="customer-reply", max_new_tokens=32)

@@ -58,6 +58,9 @@ class FakeRunner(SettlesNothing):
     def new_cache(self) -> TokenSequence:
         return TokenSequence()
 
+    def reproducible(self, tokens: int) -> FakeRunner:
+        return self  # its logits depend on the tokens alone
+
     def adopt(self, cache: TokenSequence) -> TokenSequence:
         return cache
 

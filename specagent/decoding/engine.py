@@ -131,6 +131,14 @@ class Runner(Protocol):
         """An empty ``KVSequence`` for a new call."""
         ...
 
+    def reproducible(self, tokens: int) -> Runner:
+        """This runner for a call whose forwards must depend on nothing other calls hold (a
+        reproducible policy's; up to ``tokens`` positions): itself where a call's KV never
+        shares memory with another's (transformers' caches and slots), else a runner whose
+        calls get KV of their own (llama.cpp's unified pool places a call's cells wherever
+        others left room, which changes the order its attention sums them in)."""
+        ...
+
     def adopt(self, cache: Any) -> Any:
         """A kept prefix's private copy as the kind of sequence this runner's calls use."""
         ...

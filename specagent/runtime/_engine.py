@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..decoding.costs import CostBook
+from ..decoding.costs import CostBook, CostModel
 from ..decoding.engine import Runner
 from ..decoding.history import HistoryStore
 from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
@@ -131,6 +131,18 @@ class Engine:
             return None
         return self.costs.measurement([self.cost_runner(p) for p in drafting])
 
+    def _reproducible_parts(self, parts: DraftingParts, tokens: int) -> DraftingParts:
+        """``parts`` over runners whose forwards depend on nothing other calls hold
+        (``Runner.reproducible``), planning with the costs measured for the shared ones."""
+        target = self.target_runner.reproducible(tokens)
+        shared_draft = self.draft_runner
+        draft = shared_draft.reproducible(tokens) if shared_draft is not None else None
+
+        def costs(runner: Runner | None) -> CostModel:
+            return self.costs.model(shared_draft if runner is draft else runner)
+
+        return dataclasses.replace(parts, target=target, draft=draft, prefixes=None, costs=costs)
+
     def decode(self, request: Request, device: torch.device) -> DecodeSteps:
         """The decoding coroutine of one call."""
         policy = request.policy
@@ -142,20 +154,21 @@ class Engine:
         prefixes = None
         if self.prefixes is not None and request.tenant is not None:
             prefixes = self.prefixes.scoped(request.tenant)
+        call_end = len(request.prompt_ids) + request.max_new_tokens
+        parts = dataclasses.replace(self.parts, prefixes=prefixes, call_end=call_end)
+        target = self.target_runner
         if request.reproducible:
-            prefixes = None  # KV from other calls' forwards would change its rounding
-        parts = dataclasses.replace(
-            self.parts,
-            prefixes=prefixes,
-            call_end=len(request.prompt_ids) + request.max_new_tokens,
-        )
+            # No KV from other calls' forwards, and none beside theirs: either would change
+            # its rounding. Its runners plan with the measured costs of the shared ones.
+            parts = self._reproducible_parts(parts, call_end + self.costs.longest)
+            target, prefixes = parts.target, None
         if key is not None and history is not None:
             parts = dataclasses.replace(parts, history=history.indexes(key))
         drafter, schedule = kind.build(policy.drafter, parts)
         acceptance = policy.acceptance
         stops: Any = StopStrings(request.stop, self.decode_text) if request.stop else None
         steps = speculative_steps(
-            self.target_runner,
+            target,
             request.prompt_ids,
             params=request.params,
             generator=make_generator(request.seed, device),

@@ -384,3 +384,45 @@ def test_runtimes_sharing_one_model_step_on_their_own_threads(gguf_file, tokeniz
     finally:
         second.close()
         first.close()
+
+
+def _drafting_run(model: LlamaCppModel, seq, others: bool) -> list:
+    """A call's forwards (a prompt, then drafts of 5 with 3 rejected each time), optionally
+    while other sequences come, go and leave holes in the shared pool."""
+    import numpy as np
+
+    rng, other_rng = np.random.default_rng(0), np.random.default_rng(1)
+    kept = []
+    out = [model.decode([(seq, list(range(10, 40)), 1)])[0]]
+    for _ in range(12):
+        if others:
+            other = model.sequence()
+            model.decode([(other, [int(t) for t in other_rng.integers(5, 300, 7)], 1)])
+            kept.append(other)
+            if len(kept) > 2:
+                kept.pop(0).crop(2)
+        out.append(model.decode([(seq, [int(t) for t in rng.integers(5, 300, 5)], 5)])[0])
+        seq.crop(seq.length - 3)
+    return out
+
+
+def test_a_private_sequence_computes_the_same_logits_whatever_the_pool_holds(gguf_file) -> None:
+    """Bit for bit: in the shared pool a call's cells land where others left room, which
+    changes the order its attention sums them in (a reproducible call gets its own)."""
+    import numpy as np
+
+    runs = []
+    for others in (False, True):
+        model = LlamaCppModel(gguf_file, context_tokens=1024, max_sequences=8, threads=1)
+        seq = model.private_sequence(512)
+        assert seq.private
+        runs.append(_drafting_run(model, seq, others))
+    for a, b in zip(*runs, strict=True):
+        assert np.array_equal(a, b)
+    with pytest.raises(GenerationError, match="not copied"):
+        copy.deepcopy(seq)
+    runner = model.runner().reproducible(300)
+    private = runner.new_cache()
+    assert private.private
+    with pytest.raises(GenerationError, match="the call's own KV of 512 tokens"):
+        runner.forward(list(range(600)), private)

@@ -5,7 +5,7 @@ object. Plus the repeated-call guard that makes the loop end on small models, on
 from __future__ import annotations
 
 import pytest
-from capable import NO_CAPABLE_MODEL, capable_runtime
+from capable import CAPABLE_ENGINES, NO_CAPABLE_MODEL, capable_runtime
 from langchain_core.tools import tool
 from pydantic import BaseModel
 
@@ -17,9 +17,11 @@ agents = pytest.importorskip("langchain.agents")
 
 
 def needs_model(test):
-    """A test on the real model: the full suite's, and never with SPECAGENT_TEST_MODEL=none."""
+    """A test on the real model, on every engine: the full suite's, and never with
+    SPECAGENT_TEST_MODEL=none."""
     skip = pytest.mark.skipif(NO_CAPABLE_MODEL, reason="SPECAGENT_TEST_MODEL=none")
-    return pytest.mark.real_model(skip(test))
+    on_engines = pytest.mark.parametrize("engine", CAPABLE_ENGINES)
+    return pytest.mark.real_model(skip(on_engines(test)))
 
 
 @tool
@@ -34,8 +36,8 @@ class Weather(BaseModel):
 
 
 @needs_model
-def test_agent_tool_loop_ends_in_an_answer_from_the_tool_result() -> None:
-    llm = ChatSpecAgent(runtime=capable_runtime(), max_tokens=120)
+def test_agent_tool_loop_ends_in_an_answer_from_the_tool_result(engine) -> None:
+    llm = ChatSpecAgent(runtime=capable_runtime(engine), max_tokens=120)
     agent = agents.create_agent(
         llm,
         tools=[order_status],
@@ -57,8 +59,8 @@ def test_agent_tool_loop_ends_in_an_answer_from_the_tool_result() -> None:
 
 
 @needs_model
-def test_agent_response_format_gives_a_parsed_object() -> None:
-    llm = ChatSpecAgent(runtime=capable_runtime(), max_tokens=120)
+def test_agent_response_format_gives_a_parsed_object(engine) -> None:
+    llm = ChatSpecAgent(runtime=capable_runtime(engine), max_tokens=120)
     agent = agents.create_agent(llm, tools=[], response_format=Weather)
     out = agent.invoke(
         {"messages": [{"role": "user", "content": "It is raining in Bergen today. Report it."}]}

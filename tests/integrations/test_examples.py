@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from capable import CAPABLE_MODEL, NO_CAPABLE_MODEL, capable_runtime
+from capable import CAPABLE_ENGINES, CAPABLE_MODEL, NO_CAPABLE_MODEL, capable_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,39 +20,53 @@ pytestmark = [
 ]
 
 
-def run_example(name: str, *args: str) -> str:
-    capable_runtime()  # fetched and converted once, before the example loads it from the cache
-    command = [sys.executable, str(ROOT / "examples" / name), "--target", CAPABLE_MODEL, *args]
+@pytest.fixture(params=CAPABLE_ENGINES)
+def engine(request) -> str:
+    """Each example runs on every engine (``--engine``)."""
+    return str(request.param)
+
+
+def run_example(name: str, engine: str, *args: str) -> str:
+    capable_runtime(engine)  # fetched (and converted) once, before the example loads it
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / name),
+        "--target",
+        CAPABLE_MODEL,
+        "--engine",
+        engine,
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
-def test_langchain_agent_example() -> None:
-    out = run_example("langchain_agent.py")
+def test_langchain_agent_example(engine) -> None:
+    out = run_example("langchain_agent.py", engine)
     assert "calls [('order_status', {'order_id': 'A-10234'})]" in out
     answer = [line for line in out.splitlines() if line.startswith("   ai: ")][-1]
     assert "Thursday" in answer or "depot" in answer
     assert "filed: Ticket(order_id='A-10234'" in out
 
 
-def test_support_agent_example() -> None:
-    out = run_example("support_agent.py")
+def test_support_agent_example(engine) -> None:
+    out = run_example("support_agent.py", engine)
     assert "tool lookup_order({'order_id': 'A-10234'})" in out
     assert "customer answer (lossless)" in out
     assert "internal summary (relaxed" in out
 
 
-def test_async_service_example() -> None:
-    out = run_example("async_service.py", "--calls", "4")
+def test_async_service_example(engine) -> None:
+    out = run_example("async_service.py", engine, "--calls", "4")
     assert "a cancelled call freed its slot" in out
     assert "4 concurrent calls in" in out
     assert len(re.findall(r"^call \d: ", out, flags=re.M)) == 4  # answered, refused or timed out
     assert re.search(r"^call \d: .* tok/s", out, flags=re.M)
 
 
-def test_tracing_example_traces_calls_that_produced_text() -> None:
-    out = run_example("tracing.py")
+def test_tracing_example_traces_calls_that_produced_text(engine) -> None:
+    out = run_example("tracing.py", engine)
     spans = [json.loads(s) for s in re.findall(r"^\{\n.*?^\}$", out, flags=re.S | re.M)]
     spans = [s for s in spans if "context" in s]  # the console prints metrics as JSON too
     calls = [s for s in spans if s["name"].startswith("chat ")]

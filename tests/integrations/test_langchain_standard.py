@@ -12,13 +12,14 @@ import functools
 import inspect
 
 import pytest
-from capable import NO_CAPABLE_MODEL, capable_runtime
+from capable import NO_CAPABLE_MODEL, ON_GGUF, capable_runtime
 from conftest import make_model, make_tokenizer, perturbed_copy
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_specagent import ChatSpecAgent
 from specagent import Policy, SpecRuntime
+from specagent.engines.llama_cpp import available as llama_cpp_available
 
 
 @pytest.fixture
@@ -126,7 +127,20 @@ class TestChatSpecAgentCapable(ChatSpecAgentCapabilities, ChatModelIntegrationTe
 
     @property
     def chat_model_params(self) -> dict:
-        return {"runtime": capable_runtime()}
+        return {"runtime": capable_runtime("transformers")}
+
+
+@pytest.mark.skipif(
+    not (llama_cpp_available() and ON_GGUF),
+    reason="llama-cpp-python absent, or SPECAGENT_TEST_MODEL is not a GGUF model",
+)
+class TestChatSpecAgentCapableLlamaCpp(TestChatSpecAgentCapable):
+    """The same standard tests on the llama.cpp engine: the quantized GGUF as shipped, what a
+    user on a CPU runs by default."""
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"runtime": capable_runtime("llama.cpp")}
 
 
 def _delegating(name: str):

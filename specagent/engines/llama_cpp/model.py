@@ -27,18 +27,80 @@ __all__ = ["LlamaCppModel", "LlamaCppRunner", "LlamaSequence", "check_vocabulary
 ENGINE = "llama.cpp"
 
 
+class _Context:
+    """One llama context over the model's weights: its KV memory, its batch and the ids of
+    its sequences. The model's shared context holds every ordinary call and kept prefix in one
+    unified pool; a private one holds a single call (``LlamaCppModel.private_sequence``)."""
+
+    def __init__(
+        self,
+        model: LlamaCppModel,
+        *,
+        tokens: int,
+        sequences: int,
+        unified: bool,
+    ) -> None:
+        lib = model._lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = tokens
+        params.n_batch = model.batch_tokens
+        params.n_ubatch = model.batch_tokens
+        params.n_seq_max = sequences
+        # A verification reads every row it feeds; llama.cpp sizes outputs for >= n_seq_max.
+        params.n_outputs_max = max(model.batch_tokens, sequences)
+        params.n_outputs_max_per_seq = model.batch_tokens
+        params.n_threads = model.threads
+        params.n_threads_batch = model.threads
+        params.kv_unified = unified
+        params.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if model.flash_attention
+            else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        params.no_perf = True
+        ctx = lib.llama_init_from_model(model._model, params)
+        if not ctx:
+            raise GenerationError(
+                f"llama.cpp could not create a context of {tokens} tokens for "
+                f"{model.path.name} (memory?)"
+            )
+        self._lib = lib
+        self.ctx = ctx
+        self.memory = lib.llama_get_memory(ctx)
+        self.tokens = int(lib.llama_n_ctx(ctx))
+        self.batch = lib.llama_batch_init(model.batch_tokens, 0, 1)
+        self.free = list(range(sequences - 1, -1, -1))
+        self.released: collections.deque[int] = collections.deque()
+
+    def close(self) -> None:
+        ctx, self.ctx = self.ctx, None
+        if ctx:
+            self._lib.llama_batch_free(self.batch)
+            self._lib.llama_free(ctx)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
 class LlamaSequence:
-    """One call's KV in a ``LlamaCppModel``: a sequence id of its pool and how many positions
-    it holds. It behaves as the decoding core expects of a cache: ``get_seq_length``, ``crop``
-    (a negative argument drops that many positions, as transformers' caches do) and
+    """One call's KV in a ``LlamaCppModel``: a sequence id of one of its contexts and how many
+    positions it holds. It behaves as the decoding core expects of a cache: ``get_seq_length``,
+    ``crop`` (a negative argument drops that many positions, as transformers' caches do) and
     ``copy.deepcopy`` (a new sequence sharing these cells)."""
 
-    __slots__ = ("__weakref__", "_model", "length", "seq_id")
+    __slots__ = ("__weakref__", "_context", "_model", "length", "seq_id")
 
-    def __init__(self, model: LlamaCppModel, seq_id: int) -> None:
+    def __init__(self, model: LlamaCppModel, context: _Context, seq_id: int) -> None:
         self._model = model
+        self._context = context
         self.seq_id = seq_id
         self.length = 0
+
+    @property
+    def private(self) -> bool:
+        """Whether this sequence has a context of its own (``private_sequence``)."""
+        return self._context is not self._model._shared
 
     def get_seq_length(self) -> int:
         return self.length
@@ -46,20 +108,20 @@ class LlamaSequence:
     def crop(self, max_length: int) -> None:
         keep = cropped_length(self.length, max_length)
         if keep is not None:
-            self._model._remove(self.seq_id, keep)
+            self._model._remove(self, keep)
             self.length = keep
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LlamaSequence:
         return self._model._copy(self)
 
     def __del__(self) -> None:
-        model = getattr(self, "_model", None)
-        if model is not None:
-            model._released.append(self.seq_id)
+        context = getattr(self, "_context", None)
+        if context is not None:
+            context.released.append(self.seq_id)
 
 
 class LlamaCppModel:
-    """A GGUF model loaded by llama.cpp with one context for every call of a runtime.
+    """A GGUF model loaded by llama.cpp with one shared context for the calls of a runtime.
 
     ``context_tokens`` sizes the shared KV pool (every live call and every kept prefix draws
     from it; kept prefixes share cells with the calls that made them); ``max_sequences``
@@ -67,6 +129,11 @@ class LlamaCppModel:
     256; the default leaves a runtime's 64 active calls room for their prefixes); ``threads``
     defaults to the CPUs this process may use; ``batch_tokens`` is the most tokens one
     ``llama_decode`` takes (longer forwards are split).
+
+    A call whose forwards must not depend on what else the pool holds (a reproducible policy's)
+    gets a context of its own (``private_sequence``): in the shared pool a call's cells land
+    wherever others left room, and the order in which attention sums them, and so its rounding,
+    changes with the load.
 
     ``repack`` (llama.cpp's weight repacking into its CPU-specific "extra buffer types", e.g.
     AMX tiles) and ``flash_attention`` are fast paths that kill the process on some machines:
@@ -107,6 +174,7 @@ class LlamaCppModel:
             store=probe_store or ProbeStore(cache_dir() / "probes"),
         )
         """Which optional fast paths this model runs with, and why (``probe``)."""
+        self.flash_attention = self.fast_paths.enabled("flash_attention")
         model_params = lib.llama_model_default_params()
         model_params.use_extra_bufts = self.fast_paths.enabled("repack")
         model = lib.llama_model_load_from_file(str(self.path).encode(), model_params)
@@ -117,36 +185,17 @@ class LlamaCppModel:
         self._model = model
         limit = int(lib.llama_max_parallel_sequences())
         self.max_sequences = max(1, min(max_sequences, limit))
-        params = lib.llama_context_default_params()
-        params.n_ctx = context_tokens
-        params.n_batch = batch_tokens
-        params.n_ubatch = batch_tokens
-        params.n_seq_max = self.max_sequences
-        # A verification reads every row it feeds; llama.cpp sizes outputs for >= n_seq_max.
-        params.n_outputs_max = max(batch_tokens, self.max_sequences)
-        params.n_outputs_max_per_seq = batch_tokens
-        params.n_threads = self.threads
-        params.n_threads_batch = self.threads
-        params.kv_unified = True  # kept prefixes share cells with the calls that made them
-        self.flash_attention = self.fast_paths.enabled("flash_attention")
-        params.flash_attn_type = (
-            lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if self.flash_attention
-            else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        params.no_perf = True
-        ctx = lib.llama_init_from_model(model, params)
-        if not ctx:
-            lib.llama_model_free(model)
-            raise ModelLoadError(
-                f"llama.cpp could not create a context of {context_tokens} tokens for "
-                f"{self.path} (memory?)"
+        try:
+            # Unified: kept prefixes share cells with the calls that made them.
+            self._shared = _Context(
+                self, tokens=context_tokens, sequences=self.max_sequences, unified=True
             )
-        self._ctx = ctx
-        self._memory = lib.llama_get_memory(ctx)
+        except GenerationError as exc:
+            lib.llama_model_free(model)
+            raise ModelLoadError(str(exc)) from None
         self._vocab = lib.llama_model_get_vocab(model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
-        self.context_tokens = int(lib.llama_n_ctx(ctx))
+        self.context_tokens = self._shared.tokens
         trained = int(lib.llama_model_n_ctx_train(model))
         self.context_window = min(trained, self.context_tokens) if trained > 0 else None
         """The longest call this model serves: what it was trained for, within the pool."""
@@ -157,12 +206,11 @@ class LlamaCppModel:
         lib.llama_model_desc(model, buffer, len(buffer))
         self.description = buffer.value.decode("utf-8", "replace")
         """llama.cpp's own description of the weights (architecture, size, quantization)."""
-        self._free = list(range(self.max_sequences - 1, -1, -1))
-        self._released: collections.deque[int] = collections.deque()
-        self._batch = lib.llama_batch_init(batch_tokens, 0, 1)
         self._evictors: list[weakref.WeakMethod[Callable[[], bool]]] = []
+        self._private: weakref.WeakSet[_Context] = weakref.WeakSet()
+        """Private contexts still alive (closed with the model, never after it)."""
         self._lock = threading.RLock()
-        """Held around every use of the context (batch, decode, memory): runtimes that share
+        """Held around every use of a context (batch, decode, memory): runtimes that share
         this model step on threads of their own. Never held while an evictor runs, so that
         evictors (other runtimes' prefix caches, with locks of their own) cannot deadlock."""
         self.decodes = 0
@@ -213,17 +261,19 @@ class LlamaCppModel:
             if evict is None:
                 self._evictors.remove(ref)
             elif evict():
-                self._reap()
+                self._reap(self._shared)
                 return True
         return False
 
     def sequence(self) -> LlamaSequence:
-        """A new, empty sequence (frees a kept prefix through an evictor when none is left)."""
+        """A new, empty sequence in the shared pool (frees a kept prefix through an evictor
+        when none is left)."""
+        shared = self._shared
         while True:
-            self._reap()
+            self._reap(shared)
             with self._lock:
-                if self._free:
-                    return LlamaSequence(self, self._free.pop())
+                if shared.free:
+                    return LlamaSequence(self, shared, shared.free.pop())
             if not self._evict():
                 msg = (
                     f"llama.cpp engine: all {self.max_sequences} sequences are in use "
@@ -231,50 +281,80 @@ class LlamaCppModel:
                 )
                 raise GenerationError(msg)
 
+    def private_sequence(self, tokens: int) -> LlamaSequence:
+        """A new, empty sequence in a context of its own with room for ``tokens`` positions
+        (freed with the sequence): its forwards depend on nothing any other call holds. Costs
+        a context's creation (tens of milliseconds) and its KV memory while it lives."""
+        context = _Context(self, tokens=max(256, tokens), sequences=1, unified=True)
+        self._private.add(context)
+        return LlamaSequence(self, context, context.free.pop())
+
     def _copy(self, source: LlamaSequence) -> LlamaSequence:
+        if source.private:
+            raise GenerationError("a private llama.cpp sequence is not copied (nor kept)")
         copy = self.sequence()
         if source.length:
             with self._lock:
-                self._lib.llama_memory_seq_cp(self._memory, source.seq_id, copy.seq_id, 0, -1)
+                self._lib.llama_memory_seq_cp(
+                    self._shared.memory, source.seq_id, copy.seq_id, 0, -1
+                )
             copy.length = source.length
         return copy
 
-    def _remove(self, seq_id: int, start: int) -> None:
+    def _remove(self, seq: LlamaSequence, start: int) -> None:
         with self._lock:
-            removed = self._lib.llama_memory_seq_rm(self._memory, seq_id, start, -1)
+            removed = self._lib.llama_memory_seq_rm(seq._context.memory, seq.seq_id, start, -1)
         if not removed:
             raise GenerationError(f"llama.cpp could not remove positions {start}.. of a sequence")
 
-    def _reap(self) -> None:
-        """Free the ids of sequences dropped since the last call (a sequence's ``__del__``
-        only queues its id: it may run on any thread, inside any llama.cpp call)."""
+    def _reap(self, context: _Context) -> None:
+        """Free the ids of ``context``'s sequences dropped since the last call (a sequence's
+        ``__del__`` only queues its id: it may run on any thread, inside any llama.cpp call)."""
         with self._lock:
-            while self._released:
-                seq_id = self._released.popleft()
-                self._lib.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
-                self._free.append(seq_id)
+            while context.released:
+                seq_id = context.released.popleft()
+                self._lib.llama_memory_seq_rm(context.memory, seq_id, -1, -1)
+                context.free.append(seq_id)
 
     # ------------------------------------------------------------------ forwards
 
     def decode(self, items: Sequence[tuple[LlamaSequence, Sequence[int], int]]) -> list[np.ndarray]:
         """Feed each item's tokens after its sequence, in as few ``llama_decode`` calls as the
-        batch size allows; returns the logits of each item's last ``keep`` rows ``[keep, V]``.
-        All or nothing: on failure every sequence is cut back to where it was."""
-        self._reap()
+        batch size allows (one context at a time); returns the logits of each item's last
+        ``keep`` rows ``[keep, V]``. All or nothing: on failure every sequence is cut back to
+        where it was."""
         lengths = [seq.length for seq, _, _ in items]
         try:
-            return self._decode(items)
+            outputs: list[np.ndarray | None] = [None] * len(items)
+            contexts: dict[int, list[int]] = {}
+            for index, (seq, _, _) in enumerate(items):
+                contexts.setdefault(id(seq._context), []).append(index)
+            for indices in contexts.values():
+                context = items[indices[0]][0]._context
+                self._reap(context)
+                done = self._decode(context, [items[i] for i in indices])
+                for index, logits in zip(indices, done, strict=True):
+                    outputs[index] = logits
+            return [logits for logits in outputs if logits is not None]
         except BaseException:
             for (seq, _, _), length in zip(items, lengths, strict=True):
                 with contextlib.suppress(GenerationError):
-                    self._remove(seq.seq_id, length)
+                    self._remove(seq, length)
                 seq.length = length
             raise
 
     def _decode(
-        self, items: Sequence[tuple[LlamaSequence, Sequence[int], int]]
+        self, context: _Context, items: Sequence[tuple[LlamaSequence, Sequence[int], int]]
     ) -> list[np.ndarray]:
-        lib, batch, vocab = self._lib, self._batch, self.vocab_size
+        lib, batch, vocab = self._lib, context.batch, self.vocab_size
+        if context is not self._shared:
+            for seq, tokens, _ in items:
+                if seq.length + len(tokens) > context.tokens:
+                    msg = (
+                        f"llama.cpp engine: no room in the call's own KV of {context.tokens} "
+                        f"tokens for {len(tokens)} more after {seq.length}"
+                    )
+                    raise GenerationError(msg)
         outputs = [np.empty((keep, vocab), dtype=np.float32) for _, _, keep in items]
         rows: list[tuple[int, int, int, int, bool, int]] = []  # item, token, seq, pos, out, row
         for index, (seq, tokens, keep) in enumerate(items):
@@ -294,38 +374,39 @@ class LlamaCppModel:
                         batch.seq_id[k][0] = seq_id
                         batch.logits[k] = wanted
                     batch.n_tokens = len(chunk)
-                    status = lib.llama_decode(self._ctx, batch)
+                    status = lib.llama_decode(context.ctx, batch)
                     if status == 0:
                         self.decodes += 1
                         if wanted_rows:
-                            pointer = lib.llama_get_logits(self._ctx)
+                            pointer = lib.llama_get_logits(context.ctx)
                             shape = (len(wanted_rows), vocab)
                             logits = np.ctypeslib.as_array(pointer, shape=shape)
                             for n, (item, row) in enumerate(wanted_rows):
                                 outputs[item][row] = logits[n]
                         break
-                if status == 1 and self._evict():
+                shared = context is self._shared
+                if status == 1 and shared and self._evict():
                     continue  # a kept prefix gave its cells back: try again
                 if status == 1:
-                    msg = (
-                        f"llama.cpp engine: no room in its KV pool of {self.context_tokens} "
-                        "tokens for this forward (raise context_tokens)"
+                    where = (
+                        f"its KV pool of {context.tokens} tokens (raise context_tokens)"
+                        if shared
+                        else f"the call's own KV of {context.tokens} tokens"
                     )
-                    raise GenerationError(msg)
+                    raise GenerationError(f"llama.cpp engine: no room in {where} for this forward")
                 raise GenerationError(f"llama_decode failed with status {status}")
             for item, fed in collections.Counter(r[0] for r in chunk).items():
                 items[item][0].length += fed  # positions fed so far
         return outputs
 
     def close(self) -> None:
-        """Free the context and the weights (the model is unusable afterwards)."""
-        lib, ctx, model = self._lib, getattr(self, "_ctx", None), getattr(self, "_model", None)
-        if ctx:
-            lib.llama_batch_free(self._batch)
-            lib.llama_free(ctx)
-            self._ctx = None
+        """Free the shared context and the weights (the model is unusable afterwards)."""
+        for context in [*getattr(self, "_private", ()), getattr(self, "_shared", None)]:
+            if context is not None:
+                context.close()
+        model = getattr(self, "_model", None)
         if model:
-            lib.llama_model_free(model)
+            self._lib.llama_model_free(model)
             self._model = None
 
     def __del__(self) -> None:
@@ -345,10 +426,20 @@ class LlamaCppRunner(SettlesNothing):
     takes_trees = False
     """Token trees need a custom attention mask, which llama.cpp's batch API does not take."""
 
-    def __init__(self, model: LlamaCppModel, vocab_size: int | None = None) -> None:
+    def __init__(
+        self, model: LlamaCppModel, vocab_size: int | None = None, private_tokens: int = 0
+    ) -> None:
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size
         self.device = torch.device("cpu")
+        self.private_tokens = private_tokens
+        """Where > 0: each call's KV is a context of its own of this many positions."""
+
+    def reproducible(self, tokens: int) -> LlamaCppRunner:
+        """This runner for a call that must not depend on other calls (a reproducible
+        policy's) and holds up to ``tokens`` positions: its KV is a context of its own
+        (``LlamaCppModel.private_sequence``), not cells of the shared pool."""
+        return LlamaCppRunner(self.model, self.vocab_size, private_tokens=tokens)
 
     def speed_key(self, *parts: object) -> str:
         """The GGUF's description, size and the context's settings (``LlamaCppModel.key``)."""
@@ -357,6 +448,8 @@ class LlamaCppRunner(SettlesNothing):
         return config_key(self.model.key(), *parts)
 
     def new_cache(self) -> LlamaSequence:
+        if self.private_tokens:
+            return self.model.private_sequence(self.private_tokens)
         return self.model.sequence()
 
     def adopt(self, cache: LlamaSequence) -> LlamaSequence:

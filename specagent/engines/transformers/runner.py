@@ -387,6 +387,11 @@ class ModelRunner:
                 return sequence  # type: ignore[return-value]
         return self._dynamic_cache()
 
+    def reproducible(self, tokens: int) -> ModelRunner:
+        """Itself: a call's KV (a slot, or a cache of its own) never shares memory with
+        another call's, and a reproducible call's forwards run alone (``decoding.engine``)."""
+        return self
+
     def _dynamic_cache(self) -> DynamicCache:
         try:
             return DynamicCache(config=self.model.config)
