@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -160,6 +160,7 @@ def run_agent_bench(
     target_name: str = "target",
     draft_name: str | None = None,
     log: Callable[[str], None] = print,
+    baselines: Mapping[str, Method] | None = None,
 ) -> AgentBenchResult:
     """Run every method over every episode, ``repeats`` rounds; the runtime's policies must be
     ``agent_policies``.
@@ -169,11 +170,12 @@ def run_agent_bench(
     method's run of an episode alike, where a method that ran its whole pass in a slow spell
     would otherwise look slower than it is. Each specagent method calls under its own tenant,
     so its history and prefix cache hold only its own runs; the history is cleared at the start
-    of every round, the prefix cache before every method's run of an episode."""
+    of every round, the prefix cache before every method's run of an episode. ``baselines``
+    adds methods of other programs on the same model files (``llama_server``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     episodes = episodes if episodes is not None else load_episodes()
-    runs = baseline_methods(runtime, max_new_tokens)
+    runs = {**baseline_methods(runtime, max_new_tokens), **(baselines or {})}
     for policy in runtime.policies:
         if policy.name != "default":
             name = f"specagent_{policy.name}"
@@ -343,7 +345,14 @@ def _summarise(
             "geomean_episodes": round(geomean(per_episode.values()), 3),
             "min_episode": round(min(per_episode.values()), 3),
         }
-    for baseline in ("hf_assisted", "hf_prompt_lookup", "llama_prompt_lookup"):
+    for baseline in (
+        "hf_assisted",
+        "hf_prompt_lookup",
+        "llama_prompt_lookup",
+        "llama_server",
+        "llama_server_ngram_mod",
+        "llama_server_ngram_cache",
+    ):
         if baseline not in seconds:
             continue
         summary[f"speedup_vs_{baseline}"] = {
@@ -356,6 +365,24 @@ def _summarise(
             for m in methods
             if m.startswith("specagent_")
         }
+    baselines = [m for m in methods if not m.startswith("specagent_")]
+    best_total = min(sum(seconds[b].values()) for b in baselines)
+    best_tokens_per_s = max(summary["tokens_per_s"][b] for b in baselines)
+    summary["best_baseline"] = {
+        "total": min(baselines, key=lambda b: sum(seconds[b].values())),
+        "tokens_per_s": best_tokens_per_s,
+    }
+    summary["speedup_vs_best_baseline"] = {
+        m: {
+            "total_time": round(best_total / sum(seconds[m].values()), 3),
+            "tokens_per_s": round(summary["tokens_per_s"][m] / best_tokens_per_s, 3),
+            "min_episode": round(
+                min(min(seconds[b][e] for b in baselines) / seconds[m][e] for e in episodes), 3
+            ),
+        }
+        for m in methods
+        if m.startswith("specagent_")
+    }
     sources: dict[str, dict[str, int]] = {}
     for m in methods:
         for rows in episodes.values():

@@ -16,11 +16,12 @@ measured where it is used. Each round samples with its own seed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -183,6 +184,7 @@ def run_bench(
     log: Callable[[str], None] = print,
     repeats: int = 1,
     methods: Iterable[str] | None = None,
+    baselines: Mapping[str, Method] | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (the runtime's policies must be ``bench_policies``).
 
@@ -190,7 +192,8 @@ def run_bench(
     round, and each cell reports its median round: a slow spell of a shared machine then hits
     every method alike instead of deciding one comparison. ``methods`` keeps only the methods
     named (plain always runs: it is the reference). Every method runs on the runtime's own
-    model objects, so in the same dtype."""
+    model objects, so in the same dtype; ``baselines`` adds methods of other programs on the
+    same model files (``llama_server.llama_server_methods``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     only = set(methods) if methods is not None else None
@@ -201,7 +204,7 @@ def run_bench(
     out = BenchResult(target_name, draft_name, max_new_tokens, str(runtime.device))
     out.precision = dtypes_of(runtime)
 
-    runs = baseline_methods(runtime, max_new_tokens)
+    runs = {**baseline_methods(runtime, max_new_tokens), **(baselines or {})}
     sampled = {f"specagent_{p.name}" for p in runtime.policies if p.sampling.temperature > 0}
     for policy in runtime.policies:
         if policy.name == "default":
@@ -331,15 +334,17 @@ def llama_cpp_baselines(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, 
     eos = set(runtime.eos_token_ids)
 
     def load(**options: Any) -> Any:
-        return Llama(
-            model_path=str(model.path),
-            n_ctx=min(model.context_tokens, 16384),
-            n_threads=model.threads,
-            n_threads_batch=model.threads,
-            n_batch=model.batch_tokens,
-            verbose=False,
-            **options,
-        )
+        with _extra_buffer_types(model.fast_paths.enabled("repack")):
+            return Llama(
+                model_path=str(model.path),
+                n_ctx=min(model.context_tokens, 16384),
+                n_threads=model.threads,
+                n_threads_batch=model.threads,
+                n_batch=model.batch_tokens,
+                flash_attn=model.flash_attention,
+                verbose=False,
+                **options,
+            )
 
     def greedy(llm: Any) -> Method:
         def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
@@ -361,6 +366,28 @@ def llama_cpp_baselines(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, 
         "plain": greedy(load()),
         "llama_prompt_lookup": greedy(load(draft_model=lookup)),
     }
+
+
+@contextlib.contextmanager
+def _extra_buffer_types(enabled: bool) -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` with weight repacking as the engine proved it here:
+    ``Llama`` takes no option for it and loads in its constructor, so the default model
+    parameters it starts from are set for the duration (on a machine where repacking crashes,
+    a ``Llama`` as shipped dies at its first forward of two tokens)."""
+    import llama_cpp.llama_cpp as low_level
+
+    default = low_level.llama_model_default_params
+
+    def params() -> Any:
+        made = default()
+        made.use_extra_bufts = enabled
+        return made
+
+    low_level.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low_level.llama_model_default_params = default
 
 
 def dtypes_of(runtime: SpecRuntime) -> dict[str, Any]:
@@ -436,6 +463,15 @@ def _summarise(results: dict[str, dict[str, MethodResult]]) -> dict[str, Any]:
                 ),
                 "geomean": round(geomean(ratios_assisted), 3),
             }
+    baselines = [m for m in methods if not m.startswith("specagent_")]
+    summary["speedup_vs_best_baseline"] = {
+        method: _vs_best(
+            {p: rows[method].tokens_per_s for p, rows in results.items()},
+            {p: max(rows[b].tokens_per_s for b in baselines) for p, rows in results.items()},
+        )
+        for method in methods
+        if method.startswith("specagent_")
+    }
     summary["relaxed_vs_lossless"] = {}
     for method in methods:
         twin = method.replace("sampled-relaxed-", "sampled-lossless-")
@@ -448,6 +484,16 @@ def _summarise(results: dict[str, dict[str, MethodResult]]) -> dict[str, Any]:
             "min": round(min(ratios), 3),
         }
     return summary
+
+
+def _vs_best(mine: Mapping[str, float], best: Mapping[str, float]) -> dict[str, Any]:
+    """Tokens/s against the fastest baseline on each prompt (whichever it is there)."""
+    ratios = {p: mine[p] / best[p] for p in mine if best[p]}
+    return {
+        "per_prompt": {p: round(r, 3) for p, r in ratios.items()},
+        "geomean": round(geomean(ratios.values()), 3),
+        "min": round(min(ratios.values()), 3) if ratios else 0.0,
+    }
 
 
 def geomean(values: Iterable[float]) -> float:

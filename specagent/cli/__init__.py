@@ -262,6 +262,7 @@ def _model_info(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from ..bench import bench_policies, run_bench, save
+    from ..llama_server import llama_server_methods
     from ..runtime import SpecRuntime
 
     target, draft = _target_and_draft(args)
@@ -287,32 +288,43 @@ def _bench(args: argparse.Namespace) -> int:
         f"bench-{args.workload}_{runtime.engine.replace('.', '-')}_"
         f"{args.pair or Path(target).name}_{machine_kind()}"
     )
+    max_new_tokens = args.max_new_tokens or (32 if agent else 48)
+    with llama_server_methods(runtime, max_new_tokens, args.llama_server) as servers:
+        if runtime.engine == "llama.cpp" and not servers:
+            print(
+                "no llama-server binary found: its baselines are left out "
+                "(--llama-server PATH, or `python benchmarks/llama_server.py build`)",
+                file=sys.stderr,
+            )
+        if agent:
+            outcome = run_agent_bench(
+                runtime,
+                max_new_tokens=max_new_tokens,
+                repeats=args.repeats,
+                methods=args.methods,
+                target_name=Path(target).name,
+                draft_name=Path(draft).name if draft else None,
+                baselines=servers,
+            )
+        else:
+            result = run_bench(
+                runtime,
+                max_new_tokens=max_new_tokens,
+                target_name=Path(target).name,
+                draft_name=Path(draft).name if draft else None,
+                repeats=args.repeats,
+                methods=args.methods,
+                baselines=servers,
+            )
+    runtime.close()
     if agent:
-        outcome = run_agent_bench(
-            runtime,
-            max_new_tokens=args.max_new_tokens or 32,
-            repeats=args.repeats,
-            methods=args.methods,
-            target_name=Path(target).name,
-            draft_name=Path(draft).name if draft else None,
-        )
         json_path, png_path = save_agent_bench(outcome, args.out, stem)
         print(json.dumps(outcome.summary, indent=1))
         print(f"wrote {json_path} and {png_path}")
-        runtime.close()
         return 0
-    result = run_bench(
-        runtime,
-        max_new_tokens=args.max_new_tokens or 48,
-        target_name=Path(target).name,
-        draft_name=Path(draft).name if draft else None,
-        repeats=args.repeats,
-        methods=args.methods,
-    )
     json_path, png_path = save(result, args.out, stem)
     print(json.dumps(result.summary, indent=1))
     print(f"wrote {json_path} and {png_path}")
-    runtime.close()
     return 0
 
 

@@ -101,11 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _command(
         sub,
         "bench",
-        "plain vs transformers assisted generation vs specagent, side by side",
-        "Times plain greedy decoding, transformers' assisted generation and prompt lookup, and "
-        "specagent's policies in one process and one dtype, on the shipped agent-style prompts "
-        "or multi-turn agent episodes; checks every lossless output equals plain greedy; writes "
-        "JSON (with the machine's CPU, ISA flags and library versions) and a PNG.",
+        "specagent beside what a user would run instead, side by side",
+        "Times specagent's policies beside the engine's own baselines on the same model files: on "
+        "transformers plain greedy decoding, assisted generation and prompt lookup in one process "
+        "and one dtype; on llama.cpp llama-cpp-python's Llama (plain and prompt lookup) and, "
+        "where a llama-server binary is found, llama.cpp's server in its plain and n-gram modes. "
+        "On the shipped agent-style prompts or multi-turn agent episodes; checks every lossless "
+        "output equals plain greedy; writes JSON (with the machine's CPU, ISA flags and library "
+        "versions) and a PNG.",
     )
     _model_options(bench, policies=False)
     bench.add_argument(
@@ -144,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="run only these methods (e.g. plain hf_assisted specagent_lossless-draft_model); "
         "plain always runs, as the reference",
+    )
+    bench.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="on the llama.cpp engine, also time llama.cpp's own server on the same GGUF (plain, "
+        "ngram-mod, ngram-cache; prompt cache on): this binary (default: $SPECAGENT_LLAMA_SERVER "
+        "or llama-server on the PATH; `python benchmarks/llama_server.py build` builds the one "
+        "llama-cpp-python vendors)",
     )
 
     evaluate = _command(
