@@ -401,7 +401,7 @@ class ModelRunner:
     def adopt(self, cache: DynamicCache) -> DynamicCache:
         """``cache`` (a kept prefix's private copy) as the kind of cache this runner's calls
         use: copied into a slot where this runner's calls hold slots."""
-        if self._pool is None:
+        if self._pool is None or not self._pool.can_hold(int(cache.get_seq_length())):
             return cache
         sequence = self._pool.acquire()
         if sequence is None:
@@ -425,6 +425,7 @@ class ModelRunner:
         cache); each row then sees the cache and its own ancestors, at its depth's position
         (``tree.py``; all rows' logits are returned). ``vocab``: the call's own ids beyond
         ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
+        cache = _placed(cache, len(input_ids))
         with serial_forwards(), self._planned():
             if tree is not None:
                 rows = token_list(input_ids)
@@ -638,9 +639,10 @@ class ModelRunner:
             list(vocabs) if vocabs is not None else [None] * len(requests)
         )
         lengths = [int(cache.get_seq_length()) for _, cache in requests]
+        placed = [(tokens, _placed(cache, len(tokens))) for tokens, cache in requests]
         try:
             with serial_forwards():
-                return self._forward_batch(requests, keeps, call_vocabs)
+                return self._forward_batch(placed, keeps, call_vocabs)
         except BaseException:
             # All or nothing: a forward that ran before the failing one (a prompt run alone)
             # leaves no KV behind, so the caller may retry every request (the worker does, one
@@ -840,6 +842,18 @@ def decoder_body(model: PreTrainedModel) -> nn.Module | None:
     if not isinstance(base, nn.Module) or base is model or head is None:
         return None
     return base
+
+
+def _placed(cache: Any, count: int) -> Any:
+    """The cache a forward of ``count`` new tokens runs on: a slot's sequence that the pool
+    cannot widen for it within its bound first moves to a cache of its own
+    (``SlotSequence.spill``), which it then stands for."""
+    if isinstance(cache, SlotSequence):
+        if cache.own is None and not cache.pool.can_hold(cache.length + count):
+            cache.spill()
+        if cache.own is not None:
+            return cache.own
+    return cache
 
 
 def _plain_layers(cache: DynamicCache) -> bool:

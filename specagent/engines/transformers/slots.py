@@ -15,9 +15,14 @@ transformers' own static-cache batched ``generate`` on a small model). Here:
   longest row: a view when the batch's slots are consecutive, a gather otherwise. The runner
   passes a per-row attention mask and per-row positions, so every row attends only to its own
   positions;
-- the pool grows (more slots, more positions) by reallocation when a call needs it; a slot
-  goes back to the pool when its sequence is dropped, and the lowest free slot is taken next,
-  so concurrent calls keep to the pool's first rows.
+- the pool grows (more slots, more positions) by reallocation when a call needs it, never
+  past ``max_bytes`` (slots x capacity x bytes per position): a call that would widen every
+  slot past it moves its KV into an ordinary cache of its own instead (``SlotSequence.spill``)
+  and goes on there, and a new call that finds no free slot within it gets an ordinary cache.
+  A reallocation builds every new buffer before it swaps any: one that fails (out of memory)
+  leaves the pool as it was and fails only the forward that asked. A slot goes back to the
+  pool when its sequence is dropped, and the lowest free slot is taken next, so concurrent
+  calls keep to the pool's first rows.
 
 Kept prefixes (the prefix cache) are ordinary ``DynamicCache`` copies of a slot's first
 positions (``SlotSequence.kept_copy``); a call starting from one gets a slot filled from it
@@ -28,6 +33,7 @@ mask), so every decoder-only model with plain full-attention layers runs on it u
 from __future__ import annotations
 
 import collections
+import copy
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +44,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...decoding.engine import cropped_length, to_device
 
-__all__ = ["SlotBatch", "SlotPool", "SlotSequence", "batch_mask", "slot_shapes"]
+__all__ = ["PoolFull", "SlotBatch", "SlotPool", "SlotSequence", "batch_mask", "slot_shapes"]
 
 
 def slot_shapes(config: Any) -> tuple[int, int, int] | None:
@@ -77,8 +83,10 @@ class SlotPool:
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.max_bytes = max_bytes
-        """Past this size no new slot is handed out (``acquire`` answers None: the call gets
-        an ordinary cache); a call already in a slot still grows it. None: no bound."""
+        """The most the buffers may hold: no new slot is handed out past it (``acquire``
+        answers None: the call gets an ordinary cache) and no slot widened past it (the call
+        that needs more moves to a cache of its own, ``SlotSequence.spill``). None: no
+        bound."""
         self._initial = (slots, capacity)
         self.dtype, self.device = dtype, device
         self.capacity = 0
@@ -103,21 +111,47 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position of one slot takes over every layer (keys and values)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * size
+
+    def fits(self, slots: int, capacity: int) -> bool:
+        """Whether buffers of ``slots`` x ``capacity`` stay within ``max_bytes``."""
+        return self.max_bytes is None or slots * capacity * self.position_bytes <= self.max_bytes
+
+    def can_hold(self, length: int) -> bool:
+        """Whether every slot can hold ``length`` positions now or after growing within
+        ``max_bytes``."""
+        return length <= self.capacity or self.fits(self.slots, self._grown(length))
+
+    def _grown(self, length: int) -> int:
+        capacity = max(self.capacity, 1)
+        while capacity < length:
+            capacity *= 2
+        return capacity
+
     def _allocate(self, slots: int, capacity: int) -> None:
-        """(Re)allocate the buffers with room for ``slots`` x ``capacity``, keeping contents."""
+        """(Re)allocate the buffers with room for ``slots`` x ``capacity``, keeping contents.
+        Every new buffer is made and filled before any is swapped in: a failure (out of
+        memory) leaves the pool as it was."""
         shape = (slots, self.kv_heads, capacity, self.head_dim)
         old = list(zip(self.keys, self.values, strict=True))
-        self.keys, self.values = [], []
+        keys_made: list[torch.Tensor] = []
+        values_made: list[torch.Tensor] = []
         for index in range(self.layers):
             keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
             values = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if old:
                 held_k, held_v = old[index]
-                n, length = held_k.shape[0], held_k.shape[2]
-                keys[:n, :, :length] = held_k
-                values[:n, :, :length] = held_v
-            self.keys.append(keys)
-            self.values.append(values)
+                n = min(held_k.shape[0], slots)
+                length = min(held_k.shape[2], capacity)
+                keys[:n, :, :length] = held_k[:n, :, :length]
+                values[:n, :, :length] = held_v[:n, :, :length]
+            keys_made.append(keys)
+            values_made.append(values)
+        self.keys, self.values = keys_made, values_made
         self.capacity = capacity
 
     def acquire(self) -> SlotSequence | None:
@@ -132,7 +166,7 @@ class SlotPool:
                 self._allocate(*self._initial)
             free = next((s for s in range(self.slots) if s not in self._in_use), None)
             if free is None:
-                if self.max_bytes is not None and 2 * self.nbytes > self.max_bytes:
+                if not self.fits(self.slots * 2, self.capacity):
                     return None
                 free = self.slots
                 self._allocate(self.slots * 2, self.capacity)
@@ -140,14 +174,20 @@ class SlotPool:
         return SlotSequence(self, free)
 
     def ensure(self, length: int) -> None:
-        """Room for ``length`` positions in every slot."""
+        """Room for ``length`` positions in every slot; ``PoolFull`` where that would pass
+        ``max_bytes`` (the runner moves such a call to a cache of its own first)."""
         with self.lock:
             if not self.keys:
                 self._allocate(*self._initial)
             if length > self.capacity:
-                capacity = max(self.capacity, 1)
-                while capacity < length:
-                    capacity *= 2
+                capacity = self._grown(length)
+                if not self.fits(self.slots, capacity):
+                    msg = (
+                        f"{self.slots} KV slots of {capacity} positions would take "
+                        f"{self.slots * capacity * self.position_bytes} bytes, over the "
+                        f"pool's bound of {self.max_bytes}"
+                    )
+                    raise PoolFull(msg)
                 self._allocate(self.slots, capacity)
 
     def _release(self, slot: int) -> None:
@@ -186,32 +226,75 @@ class SlotPool:
         return out
 
 
+class PoolFull(RuntimeError):
+    """Growing the slots would pass the pool's ``max_bytes``."""
+
+
 class SlotSequence:
     """One call's KV in a ``SlotPool``: its slot and how many positions it holds. Behaves as
     the decoding core expects of a cache (``get_seq_length``, ``crop`` with transformers'
-    negative convention, ``copy.deepcopy``); the prefix cache keeps ``kept_copy()``."""
+    negative convention, ``copy.deepcopy``); the prefix cache keeps ``kept_copy()``.
 
-    __slots__ = ("__weakref__", "length", "pool", "slot")
+    A call that outgrows what the pool may hold moves its KV into an ordinary cache of its
+    own (``spill``): the sequence then stands for that cache (``own``), which the runner's
+    forwards use as any ordinary cache, and its slot goes back to the pool."""
+
+    __slots__ = ("__weakref__", "_length", "own", "pool", "slot")
 
     def __init__(self, pool: SlotPool, slot: int) -> None:
         self.pool = pool
         self.slot = slot
-        self.length = 0
+        self._length = 0
+        self.own: DynamicCache | None = None
+        """The call's KV once it left the pool (``spill``); None while it holds a slot."""
+
+    @property
+    def length(self) -> int:
+        return int(self.own.get_seq_length()) if self.own is not None else self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        if self.own is not None:
+            raise ValueError("a spilled sequence's length is its own cache's")
+        self._length = value
 
     def get_seq_length(self) -> int:
         return self.length
 
     def crop(self, max_length: int) -> None:
-        keep = cropped_length(self.length, max_length)
+        if self.own is not None:
+            held = self.length
+            keep = cropped_length(held, max_length)
+            if keep is not None:
+                self.own.crop(keep - held)  # transformers' caches take a negative crop
+            return
+        keep = cropped_length(self._length, max_length)
         if keep is not None:
-            self.length = keep
+            self._length = keep
+
+    def spill(self) -> DynamicCache:
+        """Move this call's KV out of the pool into an ordinary cache of its own (its slot is
+        freed): a call longer than the pool may hold goes on there instead of widening every
+        slot."""
+        if self.own is None:
+            own = self.pool.copy_of(self, self._length)
+            self.own = own
+            self.pool._release(self.slot)
+        return self.own
 
     def kept_copy(self) -> DynamicCache:
-        return self.pool.copy_of(self, self.length)
+        if self.own is not None:
+            return copy.deepcopy(self.own)
+        return self.pool.copy_of(self, self._length)
 
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a token tree written from position ``start`` (its root), keep the root and
         the accepted ``path`` (nodes), moved to follow one another (``tree.keep_path``)."""
+        if self.own is not None:
+            from ...decoding.tree import keep_path
+
+            keep_path(self.own, start, path)
+            return
         rows = [start + 1 + node for node in path]
         if rows != list(range(start + 1, start + 1 + len(rows))):
             index = to_device(rows, self.pool.device)
@@ -222,8 +305,8 @@ class SlotSequence:
         self.crop(start + 1 + len(rows))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SlotSequence:
-        twin = self.pool.acquire()
-        if twin is None:  # the pool is full: an ordinary copy serves as well
+        twin = self.pool.acquire() if self.own is None else None
+        if twin is None:  # the pool is full (or this call left it): an ordinary copy
             return self.kept_copy()  # type: ignore[return-value]
         with self.pool.lock:
             for held in (*self.pool.keys, *self.pool.values):
@@ -233,7 +316,7 @@ class SlotSequence:
 
     def __del__(self) -> None:
         pool = getattr(self, "pool", None)
-        if pool is not None:
+        if pool is not None and getattr(self, "own", None) is None:
             pool._release(self.slot)
 
 

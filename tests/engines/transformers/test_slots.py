@@ -297,3 +297,72 @@ def test_a_token_tree_over_a_slot_gives_the_logits_and_kept_path_of_an_ordinary_
         keep_path(cache, start, [2, 3])  # the second branch: nodes 43, 44 (rows 3, 4)
     assert slot.get_seq_length() == ordinary.get_seq_length() == start + 3
     torch.testing.assert_close(runner.forward([45], slot), plain.forward([45], ordinary), **TOL)
+
+
+def test_a_call_past_the_bound_moves_to_its_own_cache_and_the_pool_stays_within_it(
+    model,
+) -> None:
+    """Sixteen calls and one eight times longer: the pool never passes ``max_bytes`` (the long
+    call leaves it for an ordinary cache of its own), and every call's logits stay those of an
+    ordinary cache."""
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    pool = runner.slots
+    assert pool is not None
+    pool.max_bytes = 16 * 512 * pool.position_bytes  # 16 slots of up to 512 positions
+    rng = random.Random(7)
+    calls = [(runner.new_cache(), DynamicCache()) for _ in range(16)]
+    largest = 0
+    for step in range(12):
+        requests, references = [], []
+        for i, (cache, reference) in enumerate(calls):
+            count = 100 if i == 0 else 12  # call 0 reaches 1,200 positions, the others 144
+            tokens = _tokens(rng, count if step < 12 else 1)
+            requests.append((tokens, cache))
+            references.append((tokens, reference))
+        got = runner.forward_batch(requests, [1] * 16)
+        want = plain.forward_batch(references, [1] * 16)
+        for a, b in zip(want, got, strict=True):
+            torch.testing.assert_close(b, a, **TOL)
+        largest = max(largest, pool.nbytes)
+        assert pool.nbytes <= pool.max_bytes
+    long = calls[0][0]
+    assert isinstance(long, SlotSequence)
+    assert long.own is not None  # it left the pool
+    assert long.get_seq_length() == 1200
+    assert all(c.own is None for c, _ in calls[1:])
+    assert pool.capacity <= 512
+    # Rolled back and copied like any cache.
+    long.crop(-5)
+    assert long.get_seq_length() == 1195
+    assert copy.deepcopy(long).get_seq_length() == 1195
+
+
+def test_a_failed_reallocation_leaves_the_pool_as_it_was(model, monkeypatch) -> None:
+    """Out of memory half-way through growing: no layer keeps a new buffer, the forward that
+    asked fails, and the other calls go on with their logits."""
+    runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
+    pool = runner.slots
+    assert pool is not None
+    short, short_ref = runner.new_cache(), DynamicCache()
+    runner.forward([4, 5, 6], short, keep=1)
+    plain.forward([4, 5, 6], short_ref, keep=1)
+    before = [(k.shape, v.shape) for k, v in zip(pool.keys, pool.values, strict=True)]
+    made = {"n": 0}
+    real_zeros = torch.zeros
+
+    def failing_zeros(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made["n"] += 1
+        if made["n"] == 3:  # the second layer's keys
+            raise torch.OutOfMemoryError("planted: no memory for the new buffers")
+        return real_zeros(*args, **kwargs)
+
+    import specagent.engines.transformers.slots as slots_module
+
+    monkeypatch.setattr(slots_module.torch, "zeros", failing_zeros)
+    long = runner.new_cache()
+    with pytest.raises(torch.OutOfMemoryError, match="planted"):
+        runner.forward(_tokens(random.Random(1), 300), long)  # past the first 256 positions
+    monkeypatch.setattr(slots_module.torch, "zeros", real_zeros)
+    assert [(k.shape, v.shape) for k, v in zip(pool.keys, pool.values, strict=True)] == before
+    assert long.get_seq_length() == 0
+    torch.testing.assert_close(runner.forward([7], short), plain.forward([7], short_ref), **TOL)
