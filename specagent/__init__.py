@@ -5,6 +5,7 @@ Public names only; everything else is private to its module.
 
 from ._version import __version__
 from .backend import Backend
+from .decoding.tenants import Tenant
 from .errors import (
     CallTimeoutError,
     ContextLengthError,
@@ -53,6 +54,7 @@ __all__ = [
     "SpecRuntime",
     "SpecStats",
     "StreamChunk",
+    "Tenant",
     "Usage",
     "__version__",
     "load_policies",

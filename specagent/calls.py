@@ -22,6 +22,7 @@ import anyio
 
 from .backend import Backend
 from .chat import TOOL_CALL_MARKERS, ToolCall, parse_tool_calls
+from .decoding.tenants import Tenant
 from .errors import (
     GenerationError,
     IncompleteOutputError,
@@ -65,8 +66,9 @@ class CallSpec:
     """Chat messages as a Hugging Face chat template takes them."""
     policy: str | None = None
     tags: tuple[str, ...] = ()
-    tenant: str | None = None
-    """Who the call is for: history-drafting policies draft only from this tenant's text."""
+    tenant: str | Tenant | None = None
+    """Who the call is for: history-drafting policies draft only from this tenant's text
+    (``decoding.tenants.Tenant``: a principal and a sub-tenant under it)."""
     tools: list[dict[str, Any]] | None = None
     """OpenAI function tools offered to the model (None when ``tool_choice`` is "none")."""
     constraint: Constraint | None = None
@@ -92,7 +94,7 @@ class CallSpec:
         backend: Backend | None = None,
         policy: str | None = None,
         tags: Sequence[str] = (),
-        tenant: str | None = None,
+        tenant: str | Tenant | None = None,
         default_policy: str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: Any = None,

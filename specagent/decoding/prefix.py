@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 from ..errors import GenerationError
 from .engine import Runner, crop_to
 from .parts import Prefixes
+from .tenants import Tenant
 
 __all__ = [
     "PrefixCache",
@@ -47,8 +48,11 @@ class PrefixCache:
     for its new message only. An entry that is a prefix of a newer one (same owner) is dropped.
     Entries are per owner: a model runner (target, draft, early-exit view: their KV differ)
     within a scope (``scoped``: one tenant's calls never start from another tenant's KV).
-    Over budget, the scope holding the most tokens loses its least recently used entry: one
-    tenant alone may fill the cache, but its calls never flush a smaller tenant's prefixes.
+    Memory is accounted by principal (``tenants.Tenant``): over budget, the principal holding
+    the most tokens loses its least recently used entry, so one principal alone may fill the
+    cache but its calls never flush a smaller principal's prefixes, however many sub-tenants
+    it spreads them over (it keeps at most ``max_subtenants``; its least recently used one
+    loses its entries first).
 
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
     must never change. Its own worker uses it; an engine shared by several runtimes may ask it
@@ -56,14 +60,19 @@ class PrefixCache:
     waits for it: two workers each evicting from the other's cache must not deadlock).
     """
 
-    def __init__(self, max_tokens: int = 65536, min_tokens: int = 32) -> None:
+    def __init__(
+        self, max_tokens: int = 65536, min_tokens: int = 32, *, max_subtenants: int = 64
+    ) -> None:
         if max_tokens < 0 or min_tokens < 1:
             raise ValueError("PrefixCache needs max_tokens >= 0 and min_tokens >= 1")
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
+        self.max_subtenants = max_subtenants
         self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], Any] = OrderedDict()
         self._size = 0
         self._scope_sizes: Counter[Hashable] = Counter()
+        """Tokens held per principal."""
+        self._subtenants: dict[Hashable, OrderedDict[Hashable, None]] = {}
         self.hits = 0
         self.reused_tokens = 0
         self._lock = threading.RLock()
@@ -142,22 +151,44 @@ class PrefixCache:
         crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
         self._entries[key] = kept
         self._size += len(tokens)
-        self._scope_sizes[_scope_of(owner)] += len(tokens)
+        principal = _principal_of(owner)
+        self._scope_sizes[principal] += len(tokens)
+        self._seen(principal, _tenant_of(owner))
         while self._size > self.max_tokens:
-            self._evict_from_largest()
+            self._evict_from_largest(principal)
 
-    def _evict_from_largest(self) -> None:
-        """Drop the least recently used entry of the scope that holds the most tokens."""
-        largest = max(self._scope_sizes, key=self._scope_sizes.__getitem__)
-        self._drop(next(k for k in self._entries if _scope_of(k[0]) == largest))
+    def _seen(self, principal: Hashable, tenant: Hashable) -> None:
+        """``tenant`` is ``principal``'s most recent sub-tenant; past ``max_subtenants`` its
+        least recently used one loses its entries."""
+        recent = self._subtenants.setdefault(principal, OrderedDict())
+        recent[tenant] = None
+        recent.move_to_end(tenant)
+        while len(recent) > self.max_subtenants:
+            stale = next(iter(recent))
+            del recent[stale]
+            for key in [k for k in self._entries if _tenant_of(k[0]) == stale]:
+                self._drop(key)
+
+    def _evict_from_largest(self, storing: Hashable = None) -> None:
+        """Drop the least recently used entry of the principal that holds the most tokens (on
+        a tie, the one storing now)."""
+        sizes = self._scope_sizes
+        largest = max(sizes, key=lambda p: (sizes[p], p == storing))
+        self._drop(next(k for k in self._entries if _principal_of(k[0]) == largest))
 
     def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
         del self._entries[key]
         self._size -= len(key[1])
-        scope = _scope_of(key[0])
-        self._scope_sizes[scope] -= len(key[1])
-        if self._scope_sizes[scope] <= 0:
-            del self._scope_sizes[scope]
+        principal = _principal_of(key[0])
+        self._scope_sizes[principal] -= len(key[1])
+        if self._scope_sizes[principal] <= 0:
+            del self._scope_sizes[principal]
+            self._subtenants.pop(principal, None)
+
+    def held(self, principal: Hashable) -> int:
+        """Tokens ``principal`` holds (its sub-tenants' together)."""
+        with self._lock:
+            return self._scope_sizes.get(principal, 0)
 
     def evict_oldest(self) -> bool:
         """Drop the largest scope's least recently used entry (an engine short of sequences or
@@ -178,6 +209,7 @@ class PrefixCache:
             self._entries.clear()
             self._size = 0
             self._scope_sizes.clear()
+            self._subtenants.clear()
 
     @property
     def size(self) -> int:
@@ -205,9 +237,15 @@ class Scoped(NamedTuple):
     owner: Hashable
 
 
-def _scope_of(owner: Hashable) -> Hashable:
-    """The scope whose budget an entry draws on (unscoped owners share one)."""
+def _tenant_of(owner: Hashable) -> Hashable:
+    """The scope (a tenant) an entry was stored through (unscoped owners share one)."""
     return owner.scope if isinstance(owner, Scoped) else None
+
+
+def _principal_of(owner: Hashable) -> Hashable:
+    """Whose budget an entry draws on: its tenant's principal."""
+    tenant = _tenant_of(owner)
+    return tenant.principal if isinstance(tenant, Tenant) else tenant
 
 
 class PrefixScope:

@@ -36,6 +36,7 @@ from ..chat import Prompt
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
+from ..decoding.tenants import Tenant
 from ..engines import is_engine_model
 from ..engines.transformers import PrefillTwin
 from ..engines.transformers.head import head_rows_for
@@ -436,7 +437,7 @@ class SpecRuntime:
         timeout: float | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         constraint: Constraint | None = None,
-        tenant: str | None = None,
+        tenant: str | Tenant | None = None,
         parent_context: otel_context.Context | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
@@ -444,7 +445,9 @@ class SpecRuntime:
         ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
         ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
         a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
-        is for: a ``suffix``/``auto`` policy drafts only from that tenant's earlier calls.
+        is for (a string: a principal; a ``Tenant``: a principal and a sub-tenant under it): a
+        ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a call reuses
+        only its tenant's kept KV, and memory is accounted per principal.
 
         The generator is ``_run``'s own (no wrapper generator on the per-chunk path); closing it
         cancels the call."""
@@ -482,7 +485,7 @@ class SpecRuntime:
         timeout: float | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         constraint: Constraint | None = None,
-        tenant: str | None = None,
+        tenant: str | Tenant | None = None,
         parent_context: otel_context.Context | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """``stream``'s work; ``streaming`` says whether the caller receives chunks as they

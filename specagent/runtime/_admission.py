@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from ..chat import Prompt, render_prompt
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
+from ..decoding.tenants import Tenant, tenant_of
 from ..errors import ContextLengthError, InvalidRequestError, PolicyError
 from ..grammar import Constraint, GrammarState, compile_constraint
 from ..policy import Policy, PolicySet, load_policies
@@ -39,8 +40,8 @@ class Request:
     seed: int
     explicit_max_tokens: bool
     grammar: GrammarState | None = None
-    tenant: str | None = None
-    history_key: tuple[str | None, ...] | None = None
+    tenant: Tenant | None = None
+    history_key: tuple[Any, ...] | None = None
     """Whose earlier text this call may draft from, and where its own text is kept (None:
     its own context only, nothing kept)."""
 
@@ -74,12 +75,16 @@ class Admission:
         seed: int | None,
         tools: Sequence[Mapping[str, Any]] | None = None,
         constraint: Constraint | None = None,
-        tenant: str | None = None,
+        tenant: str | Tenant | None = None,
     ) -> Request:
         if isinstance(tags, str):
             tags = (tags,)
         policy = self.policies.resolve(policy_name, tags)
-        key = history_key(policy, tenant)
+        try:
+            who = tenant_of(tenant)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        key = history_key(policy, who)
         overrides = {
             key: value
             for key, value in {
@@ -136,18 +141,16 @@ class Admission:
             seed=call_seed,
             explicit_max_tokens="max_new_tokens" in overrides,
             grammar=grammar,
-            tenant=tenant,
+            tenant=who,
             history_key=key,
         )
 
 
-def history_key(policy: Policy, tenant: str | None) -> tuple[str | None, ...] | None:
+def history_key(policy: Policy, tenant: Tenant | None) -> tuple[Any, ...] | None:
     """The key of the history a call reads and writes (``drafter.history``); the tenant is part
     of every key but the runtime-wide one, which refuses calls that name a tenant. A call with
     no tenant shares nothing under ``policy`` and ``tenant`` history: callers who are one
     party say so by naming a tenant (the runtime cannot tell two anonymous callers apart)."""
-    if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= 256):
-        raise InvalidRequestError("tenant must be a non-empty string of at most 256 characters")
     if policy.drafter.kind not in ("suffix", "auto"):
         return None
     scope = policy.drafter.history

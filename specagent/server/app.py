@@ -10,7 +10,8 @@ Each call: key (401), body size (413), fields (422, naming the field), policy by
 (``metadata.specagent_policy``, the ``X-Specagent-Policy`` header, ``<model>:<policy>``, then
 the tags in ``metadata.specagent_tags``), the key's allowed policies (403), unknown policy (404),
 key limits and server overload (429 with ``Retry-After``), draining (503). The tenant of a call
-is its key's name (and ``user`` under it), so one key's text never drafts another's tokens.
+is its key's name, the principal its memory is accounted to, with ``user`` a sub-tenant under
+it, so one key's text never drafts another's tokens and no key's calls flush another's.
 A client that disconnects from a stream cancels its call. The app only translates: the call
 itself is ``specagent.calls``.
 """
@@ -34,6 +35,7 @@ from sse_starlette import EventSourceResponse
 
 from ..backend import Backend
 from ..calls import CallChunk, CallSpec, run_call, split_model
+from ..decoding.tenants import Tenant
 from ..errors import (
     CallTimeoutError,
     ContextLengthError,
@@ -457,7 +459,11 @@ def _call_spec(
         raise ApiError(404, str(exc), "not_found_error", param="model", code=code) from exc
     policy = policy or named
     tags = [t for t in (metadata.get(TAGS_METADATA_KEY) or "").split(",") if t.strip()]
-    tenant = key.name if not body.user else f"{key.name}/{body.user}"
+    # The key is the principal (its memory is accounted as one), ``user`` a sub-tenant under it.
+    try:
+        tenant = Tenant(key.name, body.user or None)
+    except ValueError as exc:
+        raise ApiError(422, f"user: {exc}", "invalid_request_error", param="user") from None
     try:
         call = CallSpec.build(
             to_template_messages(body.messages),
