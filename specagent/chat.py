@@ -104,24 +104,29 @@ def _render_messages(
     return [int(x) for x in ids]
 
 
-_UNTRUSTED_ROLES = ("user", "tool")
+MAX_CONTROL_LITERALS = 1024
+"""How many times one call's messages may spell a control token's text: each is tokenized
+apart, and a flood of them must not make one call's admission dearer for everyone."""
 
 
 def _control_texts(tok: Any) -> list[str]:
-    """The special tokens' texts (role markers, end of turn, ...), longest first."""
+    """Every added token's text (role markers, end of turn, ``<tool_call>``, fill-in-the-middle
+    markers: marked special or not, the template gives them meaning), longest first."""
     decoder = getattr(tok, "added_tokens_decoder", {}) or {}
-    texts = {t.content for t in decoder.values() if getattr(t, "special", False)}
+    texts = {t.content for t in decoder.values()}
     texts.update(getattr(tok, "all_special_tokens", []) or [])
-    return sorted((t for t in texts if t), key=len, reverse=True)
+    return sorted((t for t in texts if t and t.strip()), key=len, reverse=True)
 
 
 def _guard_control_text(
     messages: list[dict[str, Any]], tok: Any, marker: str
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """User and tool content that spells a special token (``<|im_start|>system``) would become
-    that control token if the rendered prompt were tokenized whole: a user could write a system
-    turn, a tool result could end the turn. Such text is swapped for placeholders before the
-    template renders, and tokenized as plain text afterwards (``_tokenize_with_literals``).
+    """Content that spells an added token (``<|im_start|>system``, ``<tool_call>``) would
+    become that control token if the rendered prompt were tokenized whole: a user could write a
+    system turn, a tool result could end the turn, an assistant turn echoed back by a client
+    could open a tool call. Such text, in every role's caller-supplied content, is swapped for
+    placeholders before the template renders, and tokenized as plain text afterwards
+    (``_tokenize_with_literals``); the template's own markup alone becomes control tokens.
     Returns the messages and the placeholders' texts (none: nothing to guard)."""
     controls = _control_texts(tok)
     if not controls:
@@ -131,14 +136,18 @@ def _guard_control_text(
 
     def hide(text: str) -> str:
         def swap(match: re.Match[str]) -> str:
+            if len(literals) >= MAX_CONTROL_LITERALS:
+                msg = (
+                    f"the messages spell control tokens (such as {match.group(0)!r}) more than "
+                    f"{MAX_CONTROL_LITERALS} times"
+                )
+                raise InvalidRequestError(msg)
             literals.append(match.group(0))
             return f"[[{marker}-{len(literals) - 1}]]"
 
         return pattern.sub(swap, text)
 
     for message in messages:
-        if message.get("role") not in _UNTRUSTED_ROLES:
-            continue
         content = message.get("content")
         if isinstance(content, str) and pattern.search(content):
             message["content"] = hide(content)
@@ -157,14 +166,33 @@ def _tokenize_with_literals(rendered: str, literals: list[str], tok: Any, marker
     texts spelled out as ordinary text (``split_special_tokens``)."""
     ids: list[int] = []
     pos = 0
+    spelled: dict[str, list[int]] = {}
     for match in re.finditer(rf"\[\[{marker}-(\d+)\]\]", rendered):
         ids.extend(tok(rendered[pos : match.start()], add_special_tokens=False)["input_ids"])
         literal = literals[int(match.group(1))]
-        spelled = tok(literal, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        ids.extend(spelled)
+        if literal not in spelled:
+            spelled[literal] = _spell(tok, literal)
+        ids.extend(spelled[literal])
         pos = match.end()
     ids.extend(tok(rendered[pos:], add_special_tokens=False)["input_ids"])
     return [int(x) for x in ids]
+
+
+def _spell(tok: Any, text: str) -> list[int]:
+    """``text`` as ordinary text, never as an added token: through the fast tokenizer's
+    normalizer, pre-tokenizer and model, past its added vocabulary (``split_special_tokens``
+    splits only the tokens marked special, not ``<tool_call>``); a slow tokenizer splits the
+    special ones."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    normalized = backend.normalizer.normalize_str(text) if backend.normalizer else text
+    pieces = (
+        backend.pre_tokenizer.pre_tokenize_str(normalized)
+        if backend.pre_tokenizer
+        else [(normalized, None)]
+    )
+    return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
 
 
 # --------------------------------------------------------------------------- tool calls

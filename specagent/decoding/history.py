@@ -308,9 +308,7 @@ class HistoryStore:
                 if _tenant_in(owner) == stale:
                     self._evict(doc_id)
 
-    def _evict_from_largest(
-        self, held: collections.Counter[Hashable], recording: Hashable
-    ) -> None:
+    def _evict_from_largest(self, held: collections.Counter[Hashable], recording: Hashable) -> None:
         """Evict the oldest document of the principal that holds the most (tokens or
         documents); on a tie, the one recording now."""
         largest = max(held, key=lambda p: (held[p], p == recording))
