@@ -267,8 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-concurrent",
         type=int,
-        default=64,
-        help="calls in flight per key, for keys that set no max_concurrent",
+        default=None,
+        help="calls in flight per key, for keys that set no max_concurrent (default: a quarter "
+        "of the runtime's 64 decoding slots, so no key alone fills them)",
     )
     serve.add_argument(
         "--metrics-public",

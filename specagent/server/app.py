@@ -88,8 +88,10 @@ class ServerOptions:
     timeout_s: float | None = 600.0
     """Each call's deadline, queueing included (a key's ``timeout_s`` replaces it); None:
     none."""
-    max_concurrent: int | None = 64
-    """Calls in flight per key, for keys that set no ``max_concurrent`` of their own."""
+    max_concurrent: int | None = None
+    """Calls in flight per key, for keys that set no ``max_concurrent`` of their own. None: a
+    quarter of the runtime's decoding slots (``max_active``; at least one), so that no key
+    alone fills them and other keys' calls always progress."""
     meter_provider: Any = None
     """Where the server's own HTTP metric goes (``metrics.HttpMetrics``; ``specagent serve``
     passes the runtime's, so ``/metrics`` shows it). None: not recorded."""
@@ -134,6 +136,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     (``specagent serve`` does, after draining)."""
     options = options or ServerOptions()
     limits = Limits()
+    per_key = options.max_concurrent or default_per_key(backend)
     draining = _Draining()
     app = FastAPI(title="specagent", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend, app.state.keys, app.state.limits = backend, keys, limits
@@ -142,10 +145,12 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     app.state.calls = calls
 
     def refused(request: Request, status: int) -> None:
-        """A chat call answered with an error: counted under its policy where it was known."""
+        """A chat call answered with an error: counted under its key and its policy where
+        they were known and allowed (a refusal before that is filed under no policy)."""
         if request.url.path == "/v1/chat/completions":
             policy = getattr(request.state, "policy", None)
-            calls.record(CallRecord(policy=policy, status=status))
+            key = getattr(request.state, "key", None)
+            calls.record(CallRecord(policy=policy, status=status, key=key))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -157,10 +162,15 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready() -> Response:
+    async def ready(request: Request) -> Response:
+        """Whether to route calls here (a load balancer asks without a key); the queue's
+        figures only for a key that may use every policy."""
         activity = await _activity(backend)
         ok = not draining.on and not activity.get("closing", False) and activity["measured"]
-        body = {"ready": ok, "draining": draining.on, **activity}
+        body: dict[str, Any] = {"ready": ok, "draining": draining.on}
+        presented = keys.authenticate(_bearer(request))
+        if presented is not None and "*" in presented.policies and not keys.open:
+            body.update(activity)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -193,10 +203,11 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         if draining.on:
             raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
         key = _authenticate(keys, request)
-        body = _parse(await request.body())
-        call = _call_spec(backend, body, request, key, options)
+        request.state.key = key.name
+        # The key's limits before its body is read and parsed: a limited key's megabyte
+        # costs nothing.
         try:
-            release = limits.acquire(key, default_concurrent=options.max_concurrent)
+            release = limits.acquire(key, default_concurrent=per_key)
         except Limited as exc:
             raise ApiError(
                 429,
@@ -205,6 +216,12 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 code="rate_limited",
                 headers={"Retry-After": str(exc.retry_after)},
             ) from None
+        try:
+            body = _parse(await request.body())
+            call = _call_spec(backend, body, request, key, options)
+        except BaseException:
+            release()
+            raise
         model = body.model
         request_id = completion_id()
         chunks = run_call(backend, call, allow_incomplete=True)  # an async generator
@@ -221,7 +238,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 refused(request, 499)
                 return Response(status_code=499)
             if whole.result is not None:
-                calls.record(CallRecord.of_result(whole.result))
+                calls.record(CallRecord.of_result(whole.result, key=key.name))
             return JSONResponse(completion(request_id, model, whole))
         try:
             first = await _first(chunks)
@@ -237,7 +254,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             include_usage,
             release,
             lambda status, result: (
-                calls.record(CallRecord.of_result(result, status))
+                calls.record(CallRecord.of_result(result, status, key=key.name))
                 if result is not None
                 else refused(request, status)
             ),
@@ -262,7 +279,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             )
 
         @app.get("/dashboard/data")
-        async def dashboard_data(request: Request, window: str = "5m") -> dict[str, Any]:
+        async def dashboard_data(request: Request, window: str = "5m") -> Response:
             key = _authenticate(keys, request)
             if window not in WINDOWS:
                 message = f"window must be one of {list(WINDOWS)}, got {window!r}"
@@ -275,13 +292,14 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 may_use=key.may_use,
                 everything=everything,
                 describe=_describe(backend),
+                key=key.name,
             )
             data["model"] = backend.model_name
             data["engine"] = getattr(backend, "engine", None)
             if everything:
                 data["activity"] = await _activity(backend)
                 data["reports"] = list_reports(options.reports_dir)
-            return data
+            return JSONResponse(data, headers={"Cache-Control": "no-store"})
 
         @app.get("/dashboard/reports/{name}")
         async def dashboard_report(request: Request, name: str) -> Response:
@@ -292,13 +310,16 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             if name not in list_reports(options.reports_dir):  # never a path of the caller's
                 raise ApiError(404, f"no report {name!r}", "not_found_error")
             assert options.reports_dir is not None
-            return HTMLResponse(
-                (options.reports_dir / name).read_text(encoding="utf-8"),
+            # A download, never a page of this origin: the report is a file somebody wrote,
+            # and this origin's pages hold API keys.
+            return Response(
+                (options.reports_dir / name).read_bytes(),
+                media_type="application/octet-stream",
                 headers={
                     "Cache-Control": "no-store",
-                    "Content-Security-Policy": (
-                        "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
-                    ),
+                    "Content-Disposition": f'attachment; filename="{name}"',
+                    "Content-Security-Policy": "sandbox; default-src 'none'",
+                    "X-Content-Type-Options": "nosniff",
                 },
             )
 
@@ -430,10 +451,14 @@ def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[st
     return entry
 
 
-def _authenticate(keys: KeyStore, request: Request) -> ApiKey:
+def _bearer(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    presented = token.strip() if scheme.lower() == "bearer" else None
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def _authenticate(keys: KeyStore, request: Request) -> ApiKey:
+    presented = _bearer(request)
     key = keys.authenticate(presented)
     if key is None:
         message = (
@@ -485,11 +510,23 @@ def _call_spec(
     except ValueError as exc:  # InvalidRequestError and message translation
         raise _as_api_error(exc) from None
     chosen = _resolved_policy(backend, call, key)
-    request.state.policy = chosen
     if not key.may_use(chosen):
-        message = f"API key {key.name!r} may not use policy {chosen!r}"
-        raise ApiError(403, message, "permission_error", param="policy", code="policy_denied")
+        # The same answer as for a policy that does not exist: a restricted key learns no
+        # policy names beyond its own.
+        raise _unavailable_policy(backend, call.policy or chosen, key)
+    request.state.policy = chosen  # from here on its refusals count under it
     return call
+
+
+DEFAULT_SHARE = 4
+"""A key that sets no concurrency bound may hold a quarter of the runtime's decoding slots."""
+
+
+def default_per_key(backend: Backend) -> int:
+    """Calls in flight a key may hold when neither it nor the server says: a share of the
+    backend's decoding slots (16 where it does not say how many it has)."""
+    slots = getattr(backend, "max_active", None)
+    return max(1, slots // DEFAULT_SHARE) if isinstance(slots, int) else 16
 
 
 def _budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:
@@ -512,11 +549,14 @@ def _resolved_policy(backend: Backend, call: CallSpec, key: ApiKey) -> str:
     except PolicyNotFoundError as exc:
         if "*" in key.policies:
             raise _as_api_error(exc) from None
-        allowed = [p.name for p in backend.policies if key.may_use(p.name)]
-        message = f"unknown policy {call.policy!r}; this key may use: {allowed}"
-        raise ApiError(
-            404, message, "not_found_error", param="policy", code="policy_not_found"
-        ) from None
+        raise _unavailable_policy(backend, call.policy, key) from None
+
+
+def _unavailable_policy(backend: Backend, asked: str | None, key: ApiKey) -> ApiError:
+    """404 for a policy a restricted key may not use, whether or not it exists."""
+    allowed = [p.name for p in backend.policies if key.may_use(p.name)]
+    message = f"no policy {asked!r} is available to this key; it may use: {allowed}"
+    return ApiError(404, message, "not_found_error", param="policy", code="policy_not_found")
 
 
 def _as_api_error(exc: Exception) -> ApiError:

@@ -6,8 +6,9 @@ no tenant), into per-policy aggregates in time buckets (``CallLog``): HTTP statu
 to first token, output tokens, acceptance, accepted tokens by source, a relaxed call's
 divergence and whether it fell back to lossless. ``/dashboard/data`` merges them over a window
 (5 min, 1 h, or since the server started) per policy and in total, behind the same key check as the
-API: a key sees only the policies it may use; a key that may use every policy also sees the
-totals, the calls refused before a policy was known, and the runtime's queue. ``/dashboard`` is
+API: a key that may use every policy sees every key's calls, the totals, the calls refused before
+a policy was known, and the runtime's queue; any other key sees its own calls, under the policies
+it may use. ``/dashboard`` is
 one self-contained page (no CDN, no script from elsewhere) that polls the data every second; it
 carries no data itself, and takes the key from the address's fragment (``#key=...``, never sent
 to the server) or asks for it.
@@ -38,9 +39,13 @@ class CallRecord:
     """One finished (or refused) call, as numbers."""
 
     policy: str | None
-    """None: refused before its policy was known (a bad key, a malformed body)."""
+    """None: refused before its policy was known and allowed (a bad key, a malformed body, a
+    policy the key may not use)."""
     status: int
     """The HTTP status it was answered with (200 for a stream that ended well)."""
+    key: str | None = None
+    """The API key's name (None: refused before a key matched): a key that may not use
+    every policy sees its own calls only."""
     latency_s: float | None = None
     ttft_s: float | None = None
     output_tokens: int = 0
@@ -51,12 +56,13 @@ class CallRecord:
     fell_back: bool = False
 
     @classmethod
-    def of_result(cls, result: Any, status: int = 200) -> CallRecord:
+    def of_result(cls, result: Any, status: int = 200, key: str | None = None) -> CallRecord:
         """The record of a call that produced a ``GenerationResult``."""
         stats = result.stats
         return cls(
             policy=stats.policy,
             status=status,
+            key=key,
             latency_s=stats.latency_s,
             ttft_s=stats.ttft_s,
             output_tokens=result.usage.output_tokens,
@@ -236,7 +242,7 @@ class _Level:
 
     def __init__(self, width: float, keep: float) -> None:
         self.width, self.keep = width, keep
-        self.buckets: dict[int, dict[str | None, _Aggregate]] = {}
+        self.buckets: dict[int, dict[_Cell, _Aggregate]] = {}
 
     def add(self, now: float, record: CallRecord) -> None:
         index = int(now // self.width)
@@ -246,7 +252,7 @@ class _Level:
             oldest = index - int(self.keep // self.width)
             for old in [b for b in self.buckets if b < oldest]:
                 del self.buckets[old]
-        held[record.policy].add(record)
+        held[(record.policy, record.key)].add(record)
 
 
 class CallLog:
@@ -260,9 +266,9 @@ class CallLog:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self._levels = [_Level(width, keep) for width, keep in _LEVELS]
-        self._total: dict[str | None, _Aggregate] = collections.defaultdict(_Aggregate)
+        self._total: dict[_Cell, _Aggregate] = collections.defaultdict(_Aggregate)
         self._lock = threading.Lock()
-        self._closed: dict[float, tuple[tuple[int, int], dict[str | None, _Aggregate]]] = {}
+        self._closed: dict[float, tuple[tuple[int, int], dict[_Cell, _Aggregate]]] = {}
         """Per window: the (first, open) buckets its kept merge covers, and that merge."""
 
     def record(self, record: CallRecord) -> None:
@@ -270,13 +276,14 @@ class CallLog:
             # The bucket of now, read under the lock: a window read after this one sees it
             # in its open bucket, so the buckets it treats as closed never change.
             now = time.monotonic()
-            self._total[record.policy].add(record)
+            self._total[(record.policy, record.key)].add(record)
             for level in self._levels:
                 level.add(now, record)
 
-    def window(self, seconds: float | None) -> dict[str | None, _Aggregate]:
-        """Per policy (None: refused before a policy was known), the calls of the last
-        ``seconds`` (to a bucket); None: since the start. A new dict, the caller's."""
+    def window(self, seconds: float | None) -> dict[_Cell, _Aggregate]:
+        """Per policy and key (None: refused before a policy was known, or before a key
+        matched), the calls of the last ``seconds`` (to a bucket); None: since the start. A
+        new dict, the caller's."""
         with self._lock:
             if seconds is None:
                 return _copied(self._total)
@@ -289,25 +296,29 @@ class CallLog:
                 closed = [h for b, h in level.buckets.items() if span[0] <= b < span[1]]
             open_part = _copied(level.buckets.get(span[1], {}))
         if closed is not None:  # a bucket closed since the last read: merged once, kept
-            merged: dict[str | None, _Aggregate] = {}
+            merged: dict[_Cell, _Aggregate] = {}
             for part in closed:
-                for policy, aggregate in part.items():
-                    merged.setdefault(policy, _Aggregate()).merge(aggregate)
+                for cell, aggregate in part.items():
+                    merged.setdefault(cell, _Aggregate()).merge(aggregate)
             kept = (span, merged)
             with self._lock:
                 self._closed[seconds] = kept
         assert kept is not None
         out = _copied(kept[1])
-        for policy, aggregate in open_part.items():
-            out.setdefault(policy, _Aggregate()).merge(aggregate)
+        for cell, aggregate in open_part.items():
+            out.setdefault(cell, _Aggregate()).merge(aggregate)
         return out
 
 
-def _copied(part: dict[str | None, _Aggregate]) -> dict[str | None, _Aggregate]:
-    out: dict[str | None, _Aggregate] = {}
-    for policy, aggregate in part.items():
-        out[policy] = _Aggregate()
-        out[policy].merge(aggregate)
+_Cell = tuple[str | None, str | None]
+"""What the log aggregates by: a policy and a key's name."""
+
+
+def _copied(part: dict[_Cell, _Aggregate]) -> dict[_Cell, _Aggregate]:
+    out: dict[_Cell, _Aggregate] = {}
+    for cell, aggregate in part.items():
+        out[cell] = _Aggregate()
+        out[cell].merge(aggregate)
     return out
 
 
@@ -319,15 +330,20 @@ def summarise(
     may_use: Any,
     everything: bool,
     describe: dict[str, dict[str, Any]] | None = None,
+    key: str | None = None,
 ) -> dict[str, Any]:
     """The dashboard's numbers over ``window`` (a key of ``WINDOWS``): per policy the key
     ``may_use`` (a predicate on policy names), and with ``everything`` (a key that may use every
-    policy) the totals and the calls refused before their policy was known. ``describe``: per
-    policy, what runs it (engine, dtype, drafter)."""
+    policy) every key's calls, the totals and the calls refused before their policy was known;
+    without, only the calls of the key named ``key``. ``describe``: per policy, what runs it
+    (engine, dtype, drafter)."""
     if window not in WINDOWS:
         raise ValueError(f"window must be one of {list(WINDOWS)}, got {window!r}")
     span = WINDOWS[window]
-    by_policy = log.window(span)
+    by_policy: dict[str | None, _Aggregate] = {}
+    for (policy, caller), aggregate in log.window(span).items():
+        if everything or caller == key:
+            by_policy.setdefault(policy, _Aggregate()).merge(aggregate)
     rows = {}
     for policy in policies:
         if policy.name == "default" and policy.name not in by_policy:

@@ -89,6 +89,8 @@ class KeyStore:
     def __init__(self, keys: Iterable[ApiKey] = (), open: bool = False) -> None:
         self.keys: tuple[ApiKey, ...] = tuple(keys)
         self.open = open
+        if open and self.keys:
+            raise KeyConfigError("an open key store (no authentication) holds no keys")
         names = [key.name for key in self.keys]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
@@ -120,21 +122,26 @@ class KeyStore:
             keys.extend(_read_file(Path(file)))
         raw = os.environ.get(ENV_VAR, "") if env is None else env
         keys.extend(_parse_env(raw))
+        if open and keys:
+            msg = (
+                "--no-auth with API keys configured (a key file or SPECAGENT_API_KEYS): keys "
+                "that let a wrong key in are no keys; drop --no-auth to check them, or the "
+                "keys to run open (local development only)"
+            )
+            raise KeyConfigError(msg)
         return cls(keys, open=open)
 
     def authenticate(self, presented: str | None) -> ApiKey | None:
         """The key ``presented`` (a bearer token) is, or None."""
-        if self.open and not self.keys:
+        if self.open:
             return self.ANONYMOUS
         if not presented:
-            return self.ANONYMOUS if self.open else None
+            return None
         digest = hash_key(presented)
         found = None
         for key in self.keys:  # no early exit: the time taken does not depend on which matched
             if hmac.compare_digest(key.sha256, digest):
                 found = key
-        if found is None and self.open:
-            return self.ANONYMOUS
         return found
 
 

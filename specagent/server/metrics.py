@@ -50,6 +50,12 @@ def prometheus_metrics() -> tuple[Any, Callable[[], bytes]]:
     return provider, lambda: generate_latest(registry)
 
 
+METHODS = frozenset(
+    {"CONNECT", "DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "QUERY", "TRACE"}
+)
+"""The HTTP methods recorded by name (``http.request.method``); any other is ``_OTHER``."""
+
+
 class HttpMetrics:
     """``http.server.request.duration`` (OpenTelemetry's HTTP server metric) for every request:
     method, route, status code, and the chat call's policy where it was known, timed to the
@@ -86,8 +92,11 @@ class HttpMetrics:
             route = path if path in ROUTES else "other"
             if path.startswith("/dashboard/reports/"):
                 route = "/dashboard/reports/{name}"
+            method = scope.get("method", "")
             attributes: dict[str, Any] = {
-                "http.request.method": scope.get("method", ""),
+                # OpenTelemetry's convention: a method outside the known set is "_OTHER", so
+                # invented methods cannot make a series each.
+                "http.request.method": method if method in METHODS else "_OTHER",
                 "http.route": route,
                 "http.response.status_code": status,
             }

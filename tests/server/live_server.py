@@ -36,6 +36,7 @@ KEY_FILE = f"""\
 keys:
   - name: full
     sha256: {hash_key(KEYS["full"])}
+    max_concurrent: 64  # the load test's 64 streams (the default is a quarter of the slots)
   - name: customer
     sha256: {hash_key(KEYS["customer"])}
     policies: [customer-reply, default]

@@ -189,7 +189,12 @@ def test_reports_are_served_to_a_full_key_only(tmp_path: Path, live: Live, key_f
     client = _asgi_client(app)
     assert client.get("/dashboard/reports/eval_one.html").status_code == 401
     full = {"Authorization": f"Bearer {KEYS['full']}"}
-    assert client.get("/dashboard/reports/eval_one.html", headers=full).text.endswith("</html>")
+    report = client.get("/dashboard/reports/eval_one.html", headers=full)
+    assert report.text.endswith("</html>")
+    # A file to save, never a page of the dashboard's origin (whose storage holds the key).
+    assert report.headers["content-type"] == "application/octet-stream"
+    assert report.headers["content-disposition"] == 'attachment; filename="eval_one.html"'
+    assert report.headers["content-security-policy"].startswith("sandbox")
     assert client.get("/dashboard/reports/notes.txt", headers=full).status_code == 404
     assert client.get("/dashboard/reports/..%2Fkeys.yaml", headers=full).status_code == 404
     restricted = {"Authorization": f"Bearer {KEYS['customer']}"}

@@ -200,9 +200,19 @@ def test_a_key_may_use_only_its_policies(live: Live) -> None:
         {"model": "tiny:internal-summary"},
         {"model": "tiny", "metadata": {"specagent_tags": "summary,internal"}},
     ):
-        with pytest.raises(openai.PermissionDeniedError) as denied:
+        # The answer for a policy it may not use is the answer for one that does not exist:
+        # a restricted key learns no policy names beyond its own.
+        with pytest.raises(openai.NotFoundError) as denied:
             customer.chat.completions.create(messages=MESSAGES, max_tokens=2, **relaxed)
-        assert "may not use policy 'internal-summary'" in denied.value.message
+        assert "is available to this key; it may use: ['customer-reply', 'default']" in (
+            denied.value.message
+        )
+        with pytest.raises(openai.NotFoundError) as unknown:
+            customer.chat.completions.create(
+                model="tiny:no-such-policy", messages=MESSAGES, max_tokens=2
+            )
+        assert unknown.value.status_code == denied.value.status_code
+        assert unknown.value.body.keys() == denied.value.body.keys()
     listed = {m.id for m in customer.models.list()}
     assert listed == {"tiny", "tiny:customer-reply", "tiny:default"}
     everything = {m.id for m in client(live).models.list()}
@@ -308,7 +318,9 @@ def test_draining_is_503_and_not_ready(live: Live) -> None:
     live.runtime.wait_measured(60)
     ready = httpx.get(f"{live.url}/ready")
     assert ready.status_code == 200
-    assert ready.json()["measured"] is True
+    assert ready.json() == {"ready": True, "draining": False}  # no queue figures without a key
+    full = httpx.get(f"{live.url}/ready", headers={"Authorization": f"Bearer {KEYS['full']}"})
+    assert full.json()["measured"] is True
 
 
 def test_metrics_are_prometheus_text_of_the_runtime_instruments(live: Live) -> None:
