@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidRequestError
+from .errors import ContextLengthError, InvalidRequestError
 
 __all__ = ["ParsedOutput", "Prompt", "ToolCall", "parse_tool_calls", "render_prompt"]
 
@@ -29,8 +29,14 @@ def render_prompt(
     *,
     vocab_size: int,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    max_tokens: int | None = None,
 ) -> list[int]:
-    """Token ids for ``prompt``; raises ``InvalidRequestError`` naming what is wrong."""
+    """Token ids for ``prompt``; raises ``InvalidRequestError`` naming what is wrong.
+    ``max_tokens`` (the context window): a prompt whose text alone holds more tokens is
+    refused before its template renders, after tokenizing about that many tokens of it
+    (``ContextLengthError``), whatever its size."""
+    if max_tokens is not None and tokenizer is not None:
+        _refuse_past(_texts_of(prompt), tokenizer, max_tokens)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty")
@@ -55,6 +61,59 @@ def render_prompt(
         msg = f"token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
         raise InvalidRequestError(msg)
     return ids
+
+
+COUNT_CHUNK_CHARS = 16384
+"""Text is counted this many characters at a time (cut at a space), so counting stops soon
+after the limit is passed."""
+BOUNDARY_SLACK = 4
+"""Tokens a cut between two chunks may add over tokenizing them as one (a word or a run of
+spaces split in two): subtracted per cut, so the count stays a lower bound."""
+
+
+def _texts_of(prompt: Prompt) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    texts: list[str] = []
+    if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        for message in prompt:
+            if not isinstance(message, Mapping):
+                continue
+            content = message.get("content")
+            if isinstance(content, str):
+                texts.append(content)
+            elif isinstance(content, list):
+                texts.extend(
+                    part["text"]
+                    for part in content
+                    if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+                )
+    return texts
+
+
+def _refuse_past(texts: Sequence[str], tokenizer: Any, limit: int) -> None:
+    """``ContextLengthError`` where ``texts`` alone hold more than ``limit`` tokens; counted
+    chunk by chunk, stopping as soon as the count passes it (a lower bound: the template and
+    the cuts only add)."""
+    if sum(len(t) for t in texts) <= limit:  # a token is at least one character
+        return
+    counted = 0
+    for text in texts:
+        start = 0
+        while start < len(text):
+            end = min(len(text), start + COUNT_CHUNK_CHARS)
+            if end < len(text):
+                space = text.rfind(" ", start + COUNT_CHUNK_CHARS // 2, end)
+                end = space if space > start else end
+            counted += len(tokenizer(text[start:end], add_special_tokens=False)["input_ids"])
+            counted -= BOUNDARY_SLACK
+            start = end
+            if counted > limit:
+                msg = (
+                    f"the prompt's text alone holds more than {limit} tokens, the model's "
+                    "context window"
+                )
+                raise ContextLengthError(msg)
 
 
 def _need_tokenizer(tokenizer: Any | None, what: str) -> Any:

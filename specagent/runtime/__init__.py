@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,11 +36,11 @@ from ..chat import Prompt
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
-from ..decoding.tenants import Tenant
+from ..decoding.tenants import Tenant, tenant_of
 from ..engines import is_engine_model
 from ..engines.transformers import PrefillTwin
 from ..engines.transformers.head import head_rows_for
-from ..errors import CallTimeoutError, GenerationError, PolicyError
+from ..errors import CallTimeoutError, GenerationError, InvalidRequestError, PolicyError
 from ..grammar import Constraint, prepare
 from ..machine import ProbeStore
 from ..models import (
@@ -64,6 +64,7 @@ from ._admission import (
 )
 from ._assembly import CallAssembler
 from ._engine import Engine
+from ._gate import AdmissionGate
 from ._loading import load_pair
 from ._worker import AsyncSink, Job, Worker
 from .portal import iterate_sync, refuse_inside_event_loop
@@ -103,6 +104,7 @@ class SpecRuntime:
         draft_prefill: PrefillTwin | None = None,
         draft_head_rows: int | Literal["auto"] | None = "auto",
         kv_slots: bool = True,
+        admission_workers: int = 2,
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -132,7 +134,8 @@ class SpecRuntime:
         check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
         if is_engine_model(self.target):
             _refuse_early_exit(self.policies, self.draft is not None, self.engine)
-        self._admission_lock = threading.Lock()
+        self._gate = AdmissionGate(tokenizer, workers=admission_workers)
+        """Admissions fair across principals, each within its call's deadline (``_gate``)."""
         self._admission = Admission(
             self.policies,
             tokenizer,
@@ -493,6 +496,10 @@ class SpecRuntime:
         # An absolute deadline, admission included, checked around each wait: a cancel scope
         # held across the ``yield``s below would fire inside the caller's own code.
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
+        try:
+            who = tenant_of(tenant)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         admit = functools.partial(
             self._admission.request,
             prompt,
@@ -506,11 +513,16 @@ class SpecRuntime:
             seed,
             tools,
             constraint,
-            tenant,
+            who,
         )
-        # Off the event loop: rendering a template, tokenizing a long prompt or compiling a
-        # grammar must not pause every other call's stream on this loop.
-        request = await anyio.to_thread.run_sync(self._admit, admit)
+        # Off the event loop (rendering a template, tokenizing a long prompt or compiling a
+        # grammar must not pause every other call's stream on this loop), in the principal's
+        # turn, within the call's deadline.
+        request = await self._gate.admit(
+            who.principal if who is not None else None,
+            lambda tokenizer: admit(tokenizer=tokenizer),
+            timeout,
+        )
         call = self._start_span(request, parent_context, streaming)
         sink = AsyncSink()
         job = Job(request, sink)
@@ -590,11 +602,6 @@ class SpecRuntime:
             parent=parent,
             streaming=streaming,
         )
-
-    def _admit(self, admit: Callable[[], Request]) -> Request:
-        """One admission at a time, on a worker thread (the tokenizer is shared)."""
-        with self._admission_lock:
-            return admit()
 
     def _decode_text(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:

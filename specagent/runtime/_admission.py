@@ -76,7 +76,11 @@ class Admission:
         tools: Sequence[Mapping[str, Any]] | None = None,
         constraint: Constraint | None = None,
         tenant: str | Tenant | None = None,
+        tokenizer: Any = None,
     ) -> Request:
+        """The validated call. ``tokenizer``: the one to use on this thread (an admission
+        thread's own, ``_gate``; default the runtime's)."""
+        tok = tokenizer if tokenizer is not None else self.tokenizer
         if isinstance(tags, str):
             tags = (tags,)
         policy = self.policies.resolve(policy_name, tags)
@@ -105,7 +109,9 @@ class Admission:
             raise InvalidRequestError(
                 f"invalid call parameters: {format_validation_error(exc)}"
             ) from exc
-        prompt_ids = render_prompt(prompt, self.tokenizer, vocab_size=self.vocab_size, tools=tools)
+        prompt_ids = render_prompt(
+            prompt, tok, vocab_size=self.vocab_size, tools=tools, max_tokens=self.context_window
+        )
         budget = sampling.max_new_tokens
         if self.context_window is not None:
             room = self.context_window - len(prompt_ids)
@@ -128,6 +134,7 @@ class Admission:
         call_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         grammar = None
         if constraint is not None:
+            # The runtime's own tokenizer: llguidance converts each tokenizer object once.
             grammar = compile_constraint(
                 constraint, self.tokenizer, self.vocab_size, self.eos_token_ids
             )

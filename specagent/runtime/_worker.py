@@ -66,7 +66,7 @@ class AsyncSink:
     def __init__(self) -> None:
         self._items: collections.deque[tuple[str, Any]] = collections.deque()
         self._event = anyio.Event()
-        self._wake = _loop_waker()
+        self._wake = loop_waker()
 
     def put(self, item: tuple[str, Any]) -> None:
         self._items.append(item)
@@ -82,7 +82,7 @@ class AsyncSink:
         return self._items.popleft()
 
 
-def _loop_waker() -> Callable[[Callable[[], None]], None]:
+def loop_waker() -> Callable[[Callable[[], None]], None]:
     """A function that schedules a callback on the current event loop from any thread."""
     if current_async_library() == "trio":
         import trio

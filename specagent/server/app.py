@@ -241,11 +241,19 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 calls.record(CallRecord.of_result(whole.result, key=key.name))
             return JSONResponse(completion(request_id, model, whole))
         try:
-            first = await _first(chunks)
+            # Admission and the queue may take a while: a client that leaves meanwhile
+            # takes its call out of them.
+            first = await _unless_disconnected(request, _first(chunks))
         except BaseException:
             release()
             await chunks.aclose()
             raise
+        if first is None:
+            release()
+            with anyio.CancelScope(shield=True):
+                await chunks.aclose()
+            refused(request, 499)
+            return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _sse(
             request_id,
