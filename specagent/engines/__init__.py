@@ -30,6 +30,7 @@ __all__ = [
     "choose_engine",
     "describe",
     "is_engine_model",
+    "kv_budget",
     "runner_for",
 ]
 
@@ -114,3 +115,12 @@ def describe(choice: Mapping[str, Any]) -> list[str]:
                 f"{role}: fast paths proven in a child process in {paths['probe_s']:.1f} s"
             )
     return lines
+
+
+def kv_budget(model: Any) -> int | None:
+    """The KV positions all of a runtime's calls on ``model`` may hold together, where they
+    share one pool (llama.cpp's unified KV: its cells); None where each call's KV is its own
+    (transformers: caches, or slots that spill past their bound)."""
+    from .llama_cpp import LlamaCppModel
+
+    return model.context_tokens if isinstance(model, LlamaCppModel) else None

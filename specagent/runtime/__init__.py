@@ -37,7 +37,7 @@ from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
 from ..decoding.tenants import Tenant, tenant_of
-from ..engines import is_engine_model
+from ..engines import is_engine_model, kv_budget
 from ..engines.transformers import PrefillTwin
 from ..engines.transformers.head import head_rows_for
 from ..errors import CallTimeoutError, GenerationError, InvalidRequestError, PolicyError
@@ -394,8 +394,24 @@ class SpecRuntime:
                     max_queue=self.max_queue,
                     batching=self.batching,
                     background=self._background(),
+                    kv_budget=self._kv_budget(),
+                    need=self._kv_need,
                 )
             return self._worker
+
+    def _kv_budget(self) -> int | None:
+        """The KV positions the running calls may hold together (``engines.kv_budget``; the
+        smaller of target's and draft's)."""
+        budgets = [kv_budget(m) for m in (self.target, self.draft) if m is not None]
+        known = [b for b in budgets if b is not None]
+        return min(known) if known else None
+
+    def _kv_need(self, request: Request) -> int:
+        """What a call may come to hold of the shared KV: its prompt, its new tokens and its
+        longest draft; nothing for a reproducible call, whose KV is its own."""
+        if request.reproducible:
+            return 0
+        return len(request.prompt_ids) + request.max_new_tokens + self._engine.costs.longest
 
     def _background(self) -> Generator[None, None, None]:
         """What the worker does between rounds from its start: the tokenizer's conversion for

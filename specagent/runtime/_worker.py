@@ -114,6 +114,8 @@ class Job:
     steps: DecodeSteps | None = None
     pending: ForwardRequest | None = None
     """The forward (draft or target) this call waits for, batched with the other calls'."""
+    reserved: int = 0
+    """KV positions this call holds of the runtime's budget while it runs (``Worker``)."""
 
 
 class Worker:
@@ -130,9 +132,18 @@ class Worker:
         max_queue: int,
         batching: bool,
         background: Generator[None, None, None] | None = None,
+        kv_budget: int | None = None,
+        need: Callable[[Any], int] | None = None,
     ) -> None:
         self.decode = decode
         self.max_active = max_active
+        self.kv_budget = kv_budget
+        """KV positions the running calls may hold together (an engine whose calls share one
+        pool of cells: llama.cpp); None: no bound here."""
+        self.need = need or (lambda request: 0)
+        """The KV positions a call may come to hold (its prompt, its budget of new tokens and
+        its longest draft)."""
+        self.reserved = 0
         self.max_queue = max_queue
         self.batching = batching
         self.background = background
@@ -198,8 +209,12 @@ class Worker:
                     while (
                         self.inbox
                         and len(self.active) + len(self.waiting) + len(starting) < self.max_active
+                        and self._fits(self.inbox[0], bool(starting))
                     ):
-                        starting.append(self.inbox.popleft())
+                        job = self.inbox.popleft()
+                        job.reserved = self.need(job.request)
+                        self.reserved += job.reserved
+                        starting.append(job)
                 for job in starting:
                     if self.background is not None and _reproducible(job):
                         self.waiting.append(job)
@@ -214,6 +229,17 @@ class Worker:
             if self.background is not None:
                 self.background.close()  # unfinished: a later worker measures the rest
                 self.background = None
+
+    def _fits(self, job: Job, starting: bool) -> bool:
+        """Whether the call at the head of the queue may start: the KV it may come to hold
+        fits the budget beside the running calls' (so no call ever runs out of cells because
+        of another), or nothing else runs (a call may always run alone). A call that does not
+        fit waits at the head of the queue until running calls end."""
+        if self.kv_budget is None or job.cancelled.is_set():
+            return True
+        if not (self.active or self.waiting or starting):
+            return True
+        return self.reserved + self.need(job.request) <= self.kv_budget
 
     def _background_slice(self) -> None:
         if self.background is None:
@@ -240,10 +266,12 @@ class Worker:
 
     def _start(self, job: Job) -> None:
         if job.cancelled.is_set():
+            self._release(job)
             return
         try:
             job.steps = self.decode(job.request)
         except BaseException as exc:  # one call's failure is that call's alone
+            self._release(job)
             job.sink.put(("error", as_generation_error(exc)))
             return
         self.active.append(job)
@@ -310,7 +338,12 @@ class Worker:
         release_device_memory(exc)
         job.sink.put(("error", as_generation_error(exc)))
 
+    def _release(self, job: Job) -> None:
+        self.reserved -= job.reserved
+        job.reserved = 0
+
     def _finish(self, job: Job) -> None:
+        self._release(job)
         job.pending = None
         if job.steps is not None:
             job.steps.close()

@@ -585,11 +585,15 @@ def _as_api_error(exc: Exception) -> ApiError:
         return ApiError(503, str(exc), "unavailable")
     if isinstance(exc, CallTimeoutError):
         return ApiError(504, str(exc), "timeout_error", code="deadline_exceeded")
-    if isinstance(exc, (InvalidRequestError, ValueError)):
+    if isinstance(exc, InvalidRequestError):
         return ApiError(422, str(exc), "invalid_request_error", param=_param_of(str(exc)))
-    # The exception's text is the server's business (paths, tensor shapes, other calls'
-    # state): the log has it under an id the client can quote.
+    # Any other exception's text is the server's business (paths, tensor shapes, other calls'
+    # state, a replica's traceback): the log has it under an id the client can quote.
     error_id = secrets.token_hex(6)
+    if isinstance(exc, ValueError):  # a library's complaint about the input: its words stay here
+        log.warning("request refused (error id %s): %r", error_id, exc)
+        message = f"the request could not be processed (error id {error_id})"
+        return ApiError(422, message, "invalid_request_error")
     log.error("call failed (error id %s)", error_id, exc_info=exc)
     message = f"the call failed on the server (error id {error_id}; its log has the details)"
     return ApiError(500, message, "server_error")

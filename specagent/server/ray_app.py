@@ -138,6 +138,18 @@ class SpecReplica:
             runtime.close(drain=False)
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The exception a replica raised, out of Ray's wrappers (``RayTaskError`` and its
+    subclasses made per cause keep the original as ``cause``)."""
+    seen = 0
+    while seen < 8:
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, BaseException) or cause is exc:
+            return exc
+        exc, seen = cause, seen + 1
+    return exc
+
+
 class RemoteBackend:
     """A ``Backend`` whose calls run on ``SpecReplica`` groups through Ray Serve handles.
 
@@ -174,10 +186,14 @@ class RemoteBackend:
             async for chunk in response:
                 finished = chunk.result is not None
                 yield chunk
-        except SpecAgentError:
-            raise
-        except Exception as exc:  # the replica died or could not be reached
-            raise GenerationError(f"the replica serving this call failed: {exc}") from exc
+        except Exception as exc:
+            cause = _cause(exc)
+            if isinstance(cause, SpecAgentError):
+                # The replica's own error, without Ray's wrapping (its traceback, paths, pid,
+                # address and actor id are the operator's business, never the client's).
+                raise cause from None
+            log.error("replica failed: %r", exc)  # the replica died or could not be reached
+            raise GenerationError("the replica serving this call failed") from None
         finally:
             if not finished:
                 response.cancel()

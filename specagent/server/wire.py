@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ..calls import CallChunk
 from ..chat import ToolCall
+from ..errors import InvalidRequestError
 from ..results import GenerationResult, SpecStats
 
 __all__ = [
@@ -178,7 +179,7 @@ def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
         try:
             entry: dict[str, Any] = {"role": role, "content": message.text()}
         except ValueError as exc:
-            raise ValueError(f"messages.{i}.content: {exc}") from None
+            raise InvalidRequestError(f"messages.{i}.content: {exc}") from None
         if message.tool_calls:
             calls = []
             for j, call in enumerate(message.tool_calls):
@@ -186,7 +187,7 @@ def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
                     arguments = json.loads(call.function.arguments or "{}")
                 except json.JSONDecodeError:
                     msg = f"messages.{i}.tool_calls.{j}.function.arguments: not valid JSON"
-                    raise ValueError(msg) from None
+                    raise InvalidRequestError(msg) from None
                 calls.append(
                     {
                         "type": "function",

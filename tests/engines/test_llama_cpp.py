@@ -426,3 +426,38 @@ def test_a_private_sequence_computes_the_same_logits_whatever_the_pool_holds(ggu
     assert private.private
     with pytest.raises(GenerationError, match="the call's own KV of 512 tokens"):
         runner.forward(list(range(600)), private)
+
+
+@pytest.mark.anyio
+async def test_one_call_never_takes_the_pool_another_call_needs(gguf_file, tokenizer) -> None:
+    """A pool of 1,024 cells: a call may hold at most half (longer ones are refused, saying
+    so); calls that would not fit beside the running ones wait for them instead of failing,
+    and every call runs to its budget (its tokens may differ from alone at a rounding tie: a
+    shared pool's cells change the sums' order, as ``reproducible`` policies avoid)."""
+    from specagent import ContextLengthError
+
+    model = LlamaCppModel(gguf_file, context_tokens=1024, max_sequences=32, threads=1)
+    assert model.context_window == 512
+    rt = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
+    try:
+        hog = [i % 300 + 10 for i in range(400)]  # 400 prompt tokens + 80 new: within half
+        others = [[(i * 13 + j) % 300 + 5 for j in range(180)] for i in range(5)]
+        alone = {}
+        for i, prompt in enumerate([hog, *others]):
+            budget = 80 if i == 0 else 40
+            alone[i] = (await rt.generate(prompt, policy="plain", max_new_tokens=budget)).token_ids
+        results: dict[int, list[int]] = {}
+
+        async def one(i: int, prompt: list[int]) -> None:
+            budget = 80 if i == 0 else 40
+            out = await rt.generate(prompt, policy="plain", max_new_tokens=budget, tenant=f"t{i}")
+            results[i] = out.token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate([hog, *others]):
+                tg.start_soon(one, i, prompt)
+        assert {i: len(t) for i, t in results.items()} == {i: len(t) for i, t in alone.items()}
+        with pytest.raises(ContextLengthError, match="context window"):
+            await rt.generate([i % 300 + 10 for i in range(520)], policy="plain", max_new_tokens=4)
+    finally:
+        rt.close()

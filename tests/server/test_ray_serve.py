@@ -133,9 +133,34 @@ def test_replicas_take_calls_from_the_ingress_only(cluster: dict) -> None:
     for extra in ({}, {"ingress_token": "guessed"}):
         with pytest.raises(PermissionError, match="ingress only"):
             anyio.run(lambda extra=extra: direct(**extra))
-    ready = httpx.get(cluster["url"].removesuffix("/v1") + "/ready", timeout=60)
+    ready = httpx.get(
+        cluster["url"].removesuffix("/v1") + "/ready",
+        headers={"Authorization": f"Bearer {KEYS['full']}"},  # queue figures: a full key's
+        timeout=60,
+    )
     assert ready.json()["running"] == 0  # the replicas' own report, not a constant
     assert "measured" in ready.json()
+
+
+def test_a_replicas_error_reaches_the_client_without_its_internals(cluster: dict) -> None:
+    """A replica's ContextLengthError arrives wrapped by Ray (its traceback, file paths, pid,
+    address and actor id): the client gets the error's own message, nothing of the wrapping."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello world " * 6000}],
+        "max_tokens": 2,
+    }
+    response = httpx.post(
+        cluster["url"] + "/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {KEYS['full']}"},
+        timeout=120,
+    )
+    assert response.status_code == 400
+    text = response.text
+    assert "context window" in text
+    for leak in ("Traceback", ".py", "pid=", "ip=", "actor", "Ray", "/root", "/home"):
+        assert leak not in text, leak
 
 
 def test_a_killed_replica_does_not_hang_anything(cluster: dict) -> None:

@@ -128,7 +128,9 @@ class LlamaCppModel:
     bounds how many calls, their drafts' KV and kept prefixes exist at once (llama.cpp allows
     256; the default leaves a runtime's 64 active calls room for their prefixes); ``threads``
     defaults to the CPUs this process may use; ``batch_tokens`` is the most tokens one
-    ``llama_decode`` takes (longer forwards are split).
+    ``llama_decode`` takes (longer forwards are split); ``call_share`` is the most of the pool
+    one call may hold (its prompt and output: the runtime refuses longer calls, and starts a
+    call only when what it may hold fits beside the running calls', ``engines.kv_budget``).
 
     A call whose forwards must not depend on what else the pool holds (a reproducible policy's)
     gets a context of its own (``private_sequence``): in the shared pool a call's cells land
@@ -155,8 +157,12 @@ class LlamaCppModel:
         flash_attention: Switch = "auto",
         name: str | None = None,
         probe_store: ProbeStore | None = None,
+        call_share: float = 0.5,
     ) -> None:
         from ...catalog import cache_dir
+
+        if not 0 < call_share <= 1:
+            raise ModelLoadError(f"call_share must be in (0, 1], got {call_share!r}")
 
         lib = library()
         self._lib = lib
@@ -197,8 +203,10 @@ class LlamaCppModel:
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.context_tokens = self._shared.tokens
         trained = int(lib.llama_model_n_ctx_train(model))
-        self.context_window = min(trained, self.context_tokens) if trained > 0 else None
-        """The longest call this model serves: what it was trained for, within the pool."""
+        share = max(1, int(self.context_tokens * call_share))
+        self.context_window = min(trained, share) if trained > 0 else share
+        """The longest call this model serves: what it was trained for, within its share of
+        the pool (``call_share``: one call never takes the cells every other call needs)."""
         self.num_layers = int(lib.llama_model_n_layer(model))
         self.weight_bytes = int(lib.llama_model_size(model))
         self.n_parameters = int(lib.llama_model_n_params(model))
