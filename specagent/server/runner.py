@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -12,11 +13,14 @@ from typing import Any
 import uvicorn
 from sse_starlette.sse import AppStatus
 
+from ..engines import describe
 from .app import ServerOptions, create_app
 from .keys import KeyStore
 from .metrics import prometheus_metrics
 
 __all__ = ["DrainingServer", "serve"]
+
+log = logging.getLogger("specagent.server")
 
 
 class DrainingServer(uvicorn.Server):
@@ -74,6 +78,9 @@ def serve(
         options or ServerOptions(), metrics=render, meter_provider=provider
     )
     app = create_app(runtime, keys, options)
+    for line in describe(runtime.engine_choice):  # what runs, and what was turned off and why
+        log.info("%s", line)
+    log.info("serving %s on http://%s:%d", runtime.model_name, host, port)
     config = uvicorn.Config(
         app, host=host, port=port, timeout_graceful_shutdown=int(drain_seconds), log_level="info"
     )
