@@ -80,6 +80,9 @@ class GenerationResult:
     seed: int
     """The seed the call drew from: pass it again to reproduce the tokens."""
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    trace_id: str | None = None
+    """The call's OpenTelemetry trace (32 hex digits; None where no tracer records): what
+    its audit row names, to join the trace."""
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,12 @@ class CallSpan:
     last_chunk: float | None = None
     ended: bool = field(default=False)
 
+    @property
+    def trace_id(self) -> str | None:
+        """The call's trace id in hex (None where no tracer records)."""
+        context = self.span.get_span_context()
+        return format(context.trace_id, "032x") if context.is_valid else None
+
 
 class Telemetry:
     """Spans and metrics for a runtime. ``tracer_provider`` / ``meter_provider`` default to the

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
@@ -69,6 +69,9 @@ from ._loading import load_pair
 from ._worker import AsyncSink, Job, Worker
 from .portal import iterate_sync, refuse_inside_event_loop
 
+if TYPE_CHECKING:
+    from ..audit import AuditStore
+
 __all__ = ["PoliciesArg", "SpecRuntime"]
 
 log = logging.getLogger("specagent.runtime")
@@ -105,6 +108,7 @@ class SpecRuntime:
         draft_head_rows: int | Literal["auto"] | None = "auto",
         kv_slots: bool = True,
         admission_workers: int = 2,
+        audit: str | AuditStore | None = None,
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
@@ -134,6 +138,10 @@ class SpecRuntime:
         check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
         if is_engine_model(self.target):
             _refuse_early_exit(self.policies, self.draft is not None, self.engine)
+        self.audit = _audit_store(audit)
+        """Where every call's row goes (``specagent.audit``: a database URL or an
+        ``AuditStore``; None: no audit): who called which policy, when, with what result and
+        quality, never its text."""
         self._gate = AdmissionGate(tokenizer, workers=admission_workers)
         """Admissions fair across principals, each within its call's deadline (``_gate``)."""
         self._admission = Admission(
@@ -265,6 +273,7 @@ class SpecRuntime:
             "meter_provider": self._telemetry.meter_provider,
             "probe_store": self.probe_store,
             "compile_steps": False,  # the shared runners keep this runtime's steps
+            "audit": self.audit,
         }
         options.update(kwargs)
         other = SpecRuntime(
@@ -355,6 +364,8 @@ class SpecRuntime:
         if worker is not None:
             worker.stop(drain)
             worker.thread.join()
+        if self.audit is not None:
+            self.audit.flush()  # the store stays open: the runtime may be used again
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -458,6 +469,7 @@ class SpecRuntime:
         constraint: Constraint | None = None,
         tenant: str | Tenant | None = None,
         parent_context: otel_context.Context | None = None,
+        record: bool = True,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
 
@@ -468,8 +480,10 @@ class SpecRuntime:
         ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a call reuses
         only its tenant's kept KV, and memory is accounted per principal.
 
-        The generator is ``_run``'s own (no wrapper generator on the per-chunk path); closing it
-        cancels the call."""
+        ``record=False``: the runtime's audit store does not get this call's row (a front door
+        that records its calls itself, as the server does, passes it).
+
+        Closing the generator cancels the call."""
         return self._run(
             prompt,
             True,
@@ -486,6 +500,7 @@ class SpecRuntime:
             constraint=constraint,
             tenant=tenant,
             parent_context=parent_context,
+            record=record,
         )
 
     async def _run(
@@ -493,6 +508,7 @@ class SpecRuntime:
         prompt: Prompt,
         streaming: bool,
         *,
+        record: bool = True,
         policy: str | None = None,
         tags: Sequence[str] = (),
         max_new_tokens: int | None = None,
@@ -508,38 +524,46 @@ class SpecRuntime:
         parent_context: otel_context.Context | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """``stream``'s work; ``streaming`` says whether the caller receives chunks as they
-        come (the conventions report time to first chunk only then) or the whole result."""
+        come (the conventions report time to first chunk only then) or the whole result.
+        ``record``: the runtime's audit store gets the call's row, however it ends."""
         # An absolute deadline, admission included, checked around each wait: a cancel scope
         # held across the ``yield``s below would fire inside the caller's own code.
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
+        facts = _Facts(self.audit if record else None)
         try:
-            who = tenant_of(tenant)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        admit = functools.partial(
-            self._admission.request,
-            prompt,
-            policy,
-            tags,
-            max_new_tokens,
-            temperature,
-            top_p,
-            top_k,
-            stop,
-            seed,
-            tools,
-            constraint,
-            who,
-        )
-        # Off the event loop (rendering a template, tokenizing a long prompt or compiling a
-        # grammar must not pause every other call's stream on this loop), in the principal's
-        # turn, within the call's deadline.
-        request = await self._gate.admit(
-            who.principal if who is not None else None,
-            lambda tokenizer: admit(tokenizer=tokenizer),
-            timeout,
-        )
+            try:
+                who = tenant_of(tenant)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            facts.tenant = who
+            admit = functools.partial(
+                self._admission.request,
+                prompt,
+                policy,
+                tags,
+                max_new_tokens,
+                temperature,
+                top_p,
+                top_k,
+                stop,
+                seed,
+                tools,
+                constraint,
+                who,
+            )
+            # Off the event loop (rendering a template, tokenizing a long prompt or compiling
+            # a grammar must not pause every other call's stream on this loop), in the
+            # principal's turn, within the call's deadline.
+            request = facts.request = await self._gate.admit(
+                who.principal if who is not None else None,
+                lambda tokenizer: admit(tokenizer=tokenizer),
+                timeout,
+            )
+        except BaseException as exc:
+            self._record(facts, _status_of(exc))
+            raise
         call = self._start_span(request, parent_context, streaming)
+        facts.trace_id = call.trace_id
         sink = AsyncSink()
         job = Job(request, sink)
         finished = False
@@ -558,9 +582,11 @@ class SpecRuntime:
                     raise payload
                 if kind == "done":
                     last, result = assembler.finish(payload)
+                    result = facts.result = dataclasses.replace(result, trace_id=call.trace_id)
                     self._telemetry.end_call(call, result)
+                    self._record(facts, "ok")
                     finished = True
-                    yield last
+                    yield dataclasses.replace(last, result=result)
                     return
                 chunk = assembler.chunk(payload)
                 if chunk is not None:
@@ -568,11 +594,37 @@ class SpecRuntime:
                     yield chunk
         except BaseException as exc:
             self._telemetry.fail_call(call, exc)
+            if not finished:
+                self._record(facts, _status_of(exc))
             raise
         finally:
             job.cancelled.set()
             if not finished:
                 self._telemetry.fail_call(call, GeneratorExit("stream closed before it finished"))
+                self._record(facts, "cancelled")
+
+    def _record(self, facts: _Facts, status: str) -> None:
+        """The call's audit row, once (``facts.audit``: the store, None: not recorded here)."""
+        if facts.audit is None or facts.recorded:
+            return
+        facts.recorded = True
+        from ..audit import call_row  # the audit extra: imported where a store is in use
+
+        request = facts.request
+        facts.audit.record(
+            call_row(
+                front_door="sdk",
+                status=status,
+                result=facts.result,
+                tenant=request.tenant if request is not None else facts.tenant,
+                policy=request.policy.name if request is not None else None,
+                mode=request.policy.mode if request is not None else None,
+                engine=self.engine,
+                model=self.model_name,
+                prompt_tokens=len(request.prompt_ids) if request is not None else None,
+                trace_id=facts.trace_id,
+            )
+        )
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run a call to the end. Keywords as ``stream``."""
@@ -661,3 +713,36 @@ def _model_name(model: Any) -> str:
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
     return Path(str(name)).name or type(model).__name__
+
+
+def _audit_store(audit: Any) -> AuditStore | None:
+    """``audit`` opened (``specagent.audit.open_audit``); SQLAlchemy is imported only where a
+    store is asked for."""
+    if audit is None:
+        return None
+    from ..audit import open_audit
+
+    return open_audit(audit)
+
+
+@dataclasses.dataclass
+class _Facts:
+    """What a call learned on its way, for its audit row."""
+
+    audit: AuditStore | None
+    tenant: Tenant | None = None
+    request: Request | None = None
+    result: GenerationResult | None = None
+    trace_id: str | None = None
+    recorded: bool = False
+
+
+def _status_of(exc: BaseException) -> str:
+    """An audit row's status for a call that ended by ``exc``: its error type, or
+    ``cancelled`` (its caller went away or was cancelled)."""
+    if isinstance(exc, GeneratorExit):
+        return "cancelled"
+    with contextlib.suppress(Exception):  # outside an event loop: not a cancellation
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            return "cancelled"
+    return type(exc).__name__
