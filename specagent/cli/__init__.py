@@ -14,6 +14,7 @@ from typing import Any
 from ..decoding.registry import RULES
 from ..errors import SpecAgentError
 from ..machine import machine_kind
+from .audit_view import print_audit
 from .parser import build_parser
 
 __all__ = ["main"]
@@ -77,6 +78,8 @@ def _dispatch(args: argparse.Namespace) -> int | None:
             raise SpecAgentError(f"{args.name!r} is not a catalog model (known: {known})")
         print(resolve_gguf(args.name) if args.gguf else resolve_model(args.name))
         return 0
+    if args.command == "audit":
+        return _audit(args)
     if args.command == "doctor":
         from .doctor import run_doctor
 
@@ -158,6 +161,8 @@ def _serve(args: argparse.Namespace) -> int:
             f'the server needs the server extra: pip install "specagent[server]" ({exc})'
         ) from exc
     keys = KeyStore.load(args.api_keys, open=args.no_auth)  # fails closed before loading models
+    tls = _tls(args)
+    audit = _audit_store(args)
     target, draft = _target_and_draft(args)
     serve(
         target,
@@ -175,13 +180,67 @@ def _serve(args: argparse.Namespace) -> int:
             metrics_public=args.metrics_public,
             reports_dir=args.reports,
             dashboard=args.dashboard,
+            audit=audit,
+            audit_required=args.audit_required,
         ),
+        ssl=tls,
         drain_seconds=args.drain_seconds,
         dtype=args.dtype,
         max_queue=args.max_queue,
         compile_steps=_compile_steps(args),
         engine=args.engine,
     )
+    return 0
+
+
+def _tls(args: argparse.Namespace) -> tuple[str, str] | None:
+    """``--ssl-certfile`` and ``--ssl-keyfile``, both or neither, readable."""
+    cert, key = args.ssl_certfile, args.ssl_keyfile
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise SpecAgentError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    for path in (cert, key):
+        if not Path(path).is_file():
+            raise SpecAgentError(f"no such file: {path}")
+    return str(cert), str(key)
+
+
+def _audit_store(args: argparse.Namespace) -> Any:
+    """The server's audit store (``--audit``, its default path, or none with ``--no-audit``),
+    opened before the models load: a store that cannot be opened stops the start."""
+    if args.no_audit:
+        if args.audit_required:
+            raise SpecAgentError("--audit-required needs an audit store; drop --no-audit")
+        return None
+    try:
+        from ..audit import AuditStore, default_audit_url
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise SpecAgentError(
+            f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
+        ) from exc
+    url = args.audit or default_audit_url()
+    try:
+        return AuditStore(url, retention_days=args.audit_retention_days)
+    except Exception as exc:
+        raise SpecAgentError(f"cannot open the audit store {url}: {exc}") from exc
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from ..audit import AuditStore, default_audit_url, parse_since, policy_summaries, read_calls
+
+    try:
+        since = parse_since(args.since)
+    except ValueError as exc:
+        raise SpecAgentError(str(exc)) from None
+    store = AuditStore(args.db or default_audit_url())
+    try:
+        filters = {"since": since, "policy": args.policy, "key": args.key}
+        rows = read_calls(store.engine, limit=args.limit, **filters)
+        summaries = policy_summaries(store.engine, **filters)
+    finally:
+        store.close()
+    print_audit(rows, summaries, args.format)
     return 0
 
 

@@ -19,6 +19,7 @@ DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 PAIR_CHOICES = ["qwen2.5-coder"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
+_DEFAULT_AUDIT_HELP = "sqlite:///$XDG_DATA_HOME/specagent/audit.sqlite (~/.local/share)"
 POLICIES_HELP = (
     "a directory of policy YAML files that adds to the shipped policies and replaces any of "
     "the same name (default: the shipped policies only)"
@@ -293,6 +294,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=int, default=256, help="calls waiting beyond this get 429"
     )
     serve.add_argument(
+        "--audit",
+        default=None,
+        metavar="URL",
+        help="the audit store every call's row goes to (who called which policy, when, with "
+        "what result and quality; never the text): sqlite:///PATH or postgresql://... "
+        f"(default: {_DEFAULT_AUDIT_HELP})",
+    )
+    serve.add_argument(
+        "--no-audit", action="store_true", help="keep no audit store (calls are not recorded)"
+    )
+    serve.add_argument(
+        "--audit-required",
+        action="store_true",
+        help="refuse calls (503) while the audit store cannot record them: no record, no call",
+    )
+    serve.add_argument(
+        "--audit-retention-days",
+        type=float,
+        default=None,
+        metavar="DAYS",
+        help="delete audit rows older than this (default: keep them)",
+    )
+    serve.add_argument(
+        "--ssl-certfile", type=Path, default=None, help="serve HTTPS with this certificate (PEM)"
+    )
+    serve.add_argument(
+        "--ssl-keyfile", type=Path, default=None, help="the certificate's private key (PEM)"
+    )
+    serve.add_argument(
         "--drain-seconds",
         type=float,
         default=30.0,
@@ -343,6 +373,25 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints the SHA-256 hex digest of a key: the key file stores it, never the key.",
     )
     hash_cmd.add_argument("key", help="the API key (use a random string of 32+ characters)")
+
+    audit = _command(
+        sub,
+        "audit",
+        "read the audit store: calls and per-policy summaries",
+        "Prints the calls recorded in the audit store (newest first) and, per policy, calls, "
+        "errors, latency p50/p95, tokens/s, acceptance, divergence mean/p95 and fallbacks, "
+        "over a window and for a policy or key if asked.",
+    )
+    audit.add_argument(
+        "--db", default=None, metavar="URL", help=f"the store (default: {_DEFAULT_AUDIT_HELP})"
+    )
+    audit.add_argument("--since", default=None, help="30m, 1h, 7d, or an ISO date or time")
+    audit.add_argument("--policy", default=None, help="only this policy's calls")
+    audit.add_argument("--key", default=None, help="only this API key's calls (its name)")
+    audit.add_argument(
+        "--format", default="table", choices=["table", "csv", "json"], help="how to print them"
+    )
+    audit.add_argument("--limit", type=int, default=50, help="most calls listed")
 
     models = _command(
         sub,

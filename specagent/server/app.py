@@ -18,6 +18,8 @@ itself is ``specagent.calls``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -49,7 +51,7 @@ from ..errors import (
 from .dashboard import WINDOWS, CallLog, CallRecord, dashboard_page, list_reports, summarise
 from .keys import ApiKey, KeyStore
 from .limits import Limited, Limits
-from .metrics import HttpMetrics, observe_activity
+from .metrics import HttpMetrics, observe_activity, observe_audit
 from .wire import (
     ChatCompletionRequest,
     completion,
@@ -100,6 +102,11 @@ class ServerOptions:
     reports_dir: Path | None = None
     """Where ``specagent eval`` wrote its HTML reports: the dashboard links them (for a key
     that may use every policy)."""
+    audit: Any = None
+    """The ``specagent.audit.AuditStore`` every call's row goes to (ran or refused; None: no
+    audit)."""
+    audit_required: bool = False
+    """Refuse calls (503) while the audit store cannot record them: no record, no call."""
 
 
 class _Draining:
@@ -118,10 +125,13 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        error_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.kind, self.param, self.code = status, kind, param, code
         self.headers = headers or {}
+        self.error_id = error_id
+        """The id the server's log files this error under (its audit row names it)."""
 
     def response(self) -> JSONResponse:
         return JSONResponse(
@@ -144,17 +154,32 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     calls = CallLog()
     app.state.calls = calls
 
-    def refused(request: Request, status: int) -> None:
-        """A chat call answered with an error: counted under its key and its policy where
-        they were known and allowed (a refusal before that is filed under no policy)."""
-        if request.url.path == "/v1/chat/completions":
+    audit = options.audit
+    model_name = backend.model_name
+    engine_name = getattr(backend, "engine", None)
+
+    def ended(
+        request: Request, status: int, result: Any = None, error_id: str | None = None
+    ) -> None:
+        """A chat call answered: counted on the dashboard under its key and its policy where
+        they were known and allowed (a refusal before that is filed under no policy), and its
+        row in the audit store (every call, ran or refused)."""
+        if request.url.path != "/v1/chat/completions":
+            return
+        key = getattr(request.state, "key", None)
+        if result is not None:
+            calls.record(CallRecord.of_result(result, status, key=key))
+        else:
             policy = getattr(request.state, "policy", None)
-            key = getattr(request.state, "key", None)
             calls.record(CallRecord(policy=policy, status=status, key=key))
+        if audit is not None:
+            audit.record(
+                _audit_row(request, status, result, error_id, backend, model_name, engine_name)
+            )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        refused(request, exc.status)
+        ended(request, exc.status, error_id=exc.error_id)
         return exc.response()
 
     @app.get("/health")
@@ -204,6 +229,9 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
         key = _authenticate(keys, request)
         request.state.key = key.name
+        if options.audit_required and (audit is None or not audit.healthy):
+            message = "the audit store cannot record calls now, and this server needs a record"
+            raise ApiError(503, message, "unavailable", code="audit_unavailable")
         # The key's limits before its body is read and parsed: a limited key's megabyte
         # costs nothing.
         try:
@@ -235,10 +263,10 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 with anyio.CancelScope(shield=True):
                     await chunks.aclose()
             if whole is None:  # the client went away: the call was cancelled, nobody reads this
-                refused(request, 499)
+                ended(request, 499)
                 return Response(status_code=499)
             if whole.result is not None:
-                calls.record(CallRecord.of_result(whole.result, key=key.name))
+                ended(request, 200, whole.result)
             return JSONResponse(completion(request_id, model, whole))
         try:
             # Admission and the queue may take a while: a client that leaves meanwhile
@@ -252,7 +280,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             release()
             with anyio.CancelScope(shield=True):
                 await chunks.aclose()
-            refused(request, 499)
+            ended(request, 499)
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _sse(
@@ -261,11 +289,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             _chain(first, chunks),
             include_usage,
             release,
-            lambda status, result: (
-                calls.record(CallRecord.of_result(result, status, key=key.name))
-                if result is not None
-                else refused(request, status)
-            ),
+            lambda status, result: ended(request, status, result),
         )
         return EventSourceResponse(events, ping=15, send_timeout=30)
 
@@ -307,6 +331,13 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             if everything:
                 data["activity"] = await _activity(backend)
                 data["reports"] = list_reports(options.reports_dir)
+                if audit is not None:
+                    data["audit"] = {
+                        "healthy": audit.healthy,
+                        "buffered": audit.buffered,
+                        "written": audit.written,
+                        "dropped": audit.dropped,
+                    }
             return JSONResponse(data, headers={"Cache-Control": "no-store"})
 
         @app.get("/dashboard/reports/{name}")
@@ -334,13 +365,13 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     @app.exception_handler(SpecAgentError)
     async def _spec_error(request: Request, exc: SpecAgentError) -> Response:
         error = _as_api_error(exc)
-        refused(request, error.status)
+        ended(request, error.status, error_id=error.error_id)
         return error.response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         error = _as_api_error(exc)
-        refused(request, error.status)
+        ended(request, error.status, error_id=error.error_id)
         return error.response()
 
     def drain() -> None:
@@ -353,9 +384,15 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         )
 
     app.state.drain = drain
-    app.add_middleware(BodyLimit, max_bytes=options.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=options.max_body_bytes,
+        refused=lambda request: ended(request, 413),
+    )
     if options.meter_provider is not None:
         app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
+        if audit is not None:
+            observe_audit(options.meter_provider, audit)
         if callable(getattr(backend, "activity", None)):
             observe_activity(options.meter_provider, backend.activity)  # type: ignore[attr-defined]
     return app
@@ -366,8 +403,12 @@ class BodyLimit:
     a chunked body passes the limit (a plain ASGI middleware, so streaming responses and
     client disconnects pass through untouched)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(
+        self, app: Any, max_bytes: int, refused: Callable[[Request], None] | None = None
+    ) -> None:
         self.app, self.max_bytes = app, max_bytes
+        self.refused = refused
+        """Told of each request refused here (the dashboard and the audit store count it)."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -397,6 +438,8 @@ class BodyLimit:
     async def _refuse(self, scope: Any, receive: Any, send: Any, size: str) -> None:
         message = f"request body of {size} bytes is over the limit of {self.max_bytes}"
         error = ApiError(413, message, "invalid_request_error", code="body_too_large")
+        if self.refused is not None:
+            self.refused(Request(scope))
         await error.response()(scope, receive, send)
 
 
@@ -497,6 +540,7 @@ def _call_spec(
         tenant = Tenant(key.name, body.user or None)
     except ValueError as exc:
         raise ApiError(422, f"user: {exc}", "invalid_request_error", param="user") from None
+    request.state.tenant = str(tenant)
     try:
         call = CallSpec.build(
             to_template_messages(body.messages),
@@ -523,7 +567,9 @@ def _call_spec(
         # policy names beyond its own.
         raise _unavailable_policy(backend, call.policy or chosen, key)
     request.state.policy = chosen  # from here on its refusals count under it
-    return call
+    # The server records its calls in the audit store itself (with their HTTP status and
+    # key): the runtime does not record them again.
+    return dataclasses.replace(call, options={**call.options, "record": False})
 
 
 DEFAULT_SHARE = 4
@@ -535,6 +581,37 @@ def default_per_key(backend: Backend) -> int:
     backend's decoding slots (16 where it does not say how many it has)."""
     slots = getattr(backend, "max_active", None)
     return max(1, slots // DEFAULT_SHARE) if isinstance(slots, int) else 16
+
+
+def _audit_row(
+    request: Request,
+    status: int,
+    result: Any,
+    error_id: str | None,
+    backend: Backend,
+    model: str,
+    engine: str | None,
+) -> dict[str, Any]:
+    """A call's audit row as the server knows it (``specagent.audit.call_row``)."""
+    from ..audit import call_row
+
+    policy = getattr(request.state, "policy", None)
+    mode = None
+    if policy is not None:
+        with contextlib.suppress(Exception):
+            mode = backend.policies[policy].mode
+    return call_row(
+        front_door="server",
+        status=status,
+        result=result,
+        key_name=getattr(request.state, "key", None),
+        tenant=getattr(request.state, "tenant", None),
+        policy=policy,
+        mode=mode,
+        engine=engine,
+        model=model,
+        error_id=error_id,
+    )
 
 
 def _budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:
@@ -593,10 +670,10 @@ def _as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ValueError):  # a library's complaint about the input: its words stay here
         log.warning("request refused (error id %s): %r", error_id, exc)
         message = f"the request could not be processed (error id {error_id})"
-        return ApiError(422, message, "invalid_request_error")
+        return ApiError(422, message, "invalid_request_error", error_id=error_id)
     log.error("call failed (error id %s)", error_id, exc_info=exc)
     message = f"the call failed on the server (error id {error_id}; its log has the details)"
-    return ApiError(500, message, "server_error")
+    return ApiError(500, message, "server_error", error_id=error_id)
 
 
 def _param_of(message: str) -> str | None:

@@ -129,3 +129,22 @@ def observe_activity(meter_provider: Any, activity: Callable[[], Mapping[str, An
         description="Calls the runtime is running and holding in its queue",
     )
     return True
+
+
+def observe_audit(meter_provider: Any, audit: Any) -> None:
+    """``specagent.audit.dropped`` (rows dropped because the audit buffer was full while the
+    database was away) and ``specagent.audit.buffered`` (rows waiting to be written), read
+    from ``audit`` (an ``AuditStore``) whenever the metrics are collected."""
+    meter = metrics.get_meter("specagent.server", __version__, meter_provider=meter_provider)
+    meter.create_observable_counter(
+        "specagent.audit.dropped",
+        callbacks=[lambda _: [Observation(int(audit.dropped))]],
+        unit="{row}",
+        description="Audit rows dropped because the buffer was full",
+    )
+    meter.create_observable_gauge(
+        "specagent.audit.buffered",
+        callbacks=[lambda _: [Observation(int(audit.buffered))]],
+        unit="{row}",
+        description="Audit rows waiting to be written to the database",
+    )

@@ -64,10 +64,12 @@ def serve(
     keys: KeyStore,
     options: ServerOptions | None = None,
     drain_seconds: float = 30.0,
+    ssl: tuple[str, str] | None = None,
     **runtime_options: Any,
 ) -> None:
     """Load the runtime (as ``SpecRuntime.from_pretrained``) and serve it until SIGTERM or
-    SIGINT; then drain (calls in flight finish within ``drain_seconds``) and close."""
+    SIGINT; then drain (calls in flight finish within ``drain_seconds``), close, and write
+    what the audit store still holds. ``ssl``: a certificate and its key (PEM files): HTTPS."""
     from ..runtime import SpecRuntime
 
     provider, render = prometheus_metrics()
@@ -80,11 +82,22 @@ def serve(
     app = create_app(runtime, keys, options)
     for line in describe(runtime.engine_choice):  # what runs, and what was turned off and why
         log.info("%s", line)
-    log.info("serving %s on http://%s:%d", runtime.model_name, host, port)
+    audit = options.audit
+    log.info("audit store: %s", audit if audit is not None else "none (--no-audit)")
+    scheme = "https" if ssl else "http"
+    log.info("serving %s on %s://%s:%d", runtime.model_name, scheme, host, port)
     config = uvicorn.Config(
-        app, host=host, port=port, timeout_graceful_shutdown=int(drain_seconds), log_level="info"
+        app,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=int(drain_seconds),
+        log_level="info",
+        ssl_certfile=ssl[0] if ssl else None,
+        ssl_keyfile=ssl[1] if ssl else None,
     )
     try:
         DrainingServer(config, on_drain=app.state.drain).run()
     finally:
         runtime.close(drain=True)
+        if audit is not None:
+            audit.close()

@@ -1,0 +1,171 @@
+"""The server's audit rows and TLS: every call, ran or refused, is one row with its key's name
+(never the key) and HTTP status; ``--audit-required`` refuses calls while the store cannot
+record them; the server speaks HTTPS with a certificate made here, to the ``openai`` client."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import make_model, make_tokenizer
+from live_server import KEYS, key_file, serving  # fixtures by name
+
+from specagent import SpecRuntime, shipped_policies
+from specagent.audit import AuditStore, read_calls
+from specagent.server import KeyStore, ServerOptions, create_app
+
+MESSAGES = [{"role": "user", "content": "Where is my order zebra-quartz-7741?"}]
+
+
+@pytest.fixture(scope="module")
+def runtime(tokenizer):
+    rt = SpecRuntime(
+        make_model(len(tokenizer), seed=3, max_positions=4096),
+        tokenizer=tokenizer,
+        policies=shipped_policies(),
+        model_name="tiny",
+    )
+    yield rt
+    rt.close()
+
+
+def _post(url: str, key: str | None, body: object, **extra) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60, **extra)
+
+
+def test_every_call_is_one_row_with_its_status_and_key_name(runtime, key_file, tmp_path) -> None:
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.sqlite'}")
+    keys = KeyStore.load(key_file, env="")
+    app = create_app(runtime, keys, ServerOptions(audit=store, max_body_bytes=4096))
+    body = {"model": "tiny:customer-reply", "messages": MESSAGES, "max_tokens": 3}
+    with serving(app) as url:
+        statuses = [
+            _post(url, KEYS["full"], body).status_code,  # 200
+            _post(url, KEYS["full"], {**body, "stream": True}).status_code,  # 200, streamed
+            _post(url, "not-a-key-0123456789", body).status_code,  # 401
+            _post(url, KEYS["customer"], {**body, "model": "tiny:internal-summary"}).status_code,
+            _post(url, KEYS["full"], {**body, "max_tokens": -1}).status_code,  # 422
+            _post(url, KEYS["full"], {**body, "messages": "x" * 9000}).status_code,  # 413
+        ]
+        for _ in range(3):  # its bucket holds 2 a minute
+            statuses.append(_post(url, KEYS["limited"], body).status_code)
+    assert statuses == [200, 200, 401, 404, 422, 413, 200, 200, 429]
+    assert store.flush()
+    rows = read_calls(store.engine, limit=None)
+    store.close()
+    assert sorted(r["status"] for r in rows) == sorted(str(s) for s in statuses)
+    by_status = {r["status"]: r for r in rows}
+    ok = next(r for r in rows if r["status"] == "200" and r["key_name"] == "full")
+    assert ok["policy"] == "customer-reply"
+    assert ok["mode"] == "lossless"
+    assert ok["front_door"] == "server"
+    assert ok["completion_tokens"] == 3
+    assert ok["tenant"] == "full"
+    assert ok["model"] == "tiny"
+    assert by_status["401"]["key_name"] is None
+    assert by_status["404"]["key_name"] == "customer"
+    assert by_status["404"]["policy"] is None  # refused before the key was allowed it
+    assert by_status["429"]["key_name"] == "limited"
+    for row in rows:  # names only, never a key or a word of the prompt
+        for value in row.values():
+            for secret in (*KEYS.values(), "zebra-quartz-7741", "Where is my order"):
+                assert secret not in str(value)
+    # The runtime did not record the server's calls a second time.
+    assert len([r for r in rows if r["front_door"] == "sdk"]) == 0
+
+
+def test_audit_required_refuses_calls_while_the_store_cannot_record(
+    runtime, key_file, tmp_path
+) -> None:
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.sqlite'}", buffer_rows=1)
+    keys = KeyStore.load(key_file, env="")
+    app = create_app(runtime, keys, ServerOptions(audit=store, audit_required=True))
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    with serving(app) as url:
+        assert _post(url, KEYS["full"], body).status_code == 200
+        # The database is locked by another writer: the store cannot write, rows pile up.
+        blocker = store.engine.raw_connection()
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            deadline = time.monotonic() + 60
+            while store.healthy and time.monotonic() < deadline:
+                _post(url, KEYS["full"], body)
+                time.sleep(0.2)
+            refused = _post(url, KEYS["full"], body)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "audit_unavailable"
+        finally:
+            blocker.rollback()
+            blocker.close()
+        assert store.flush(60)
+        assert _post(url, KEYS["full"], body).status_code == 200
+    store.close()
+
+
+def test_serve_speaks_https_with_its_certificate(tmp_path: Path) -> None:
+    trustme = pytest.importorskip("trustme")
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1", "localhost")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    certificate.private_key_and_cert_chain_pem.write_to_path(str(cert))
+    certificate.private_key_pem.write_to_path(str(key))
+    ca = tmp_path / "ca.pem"
+    authority.cert_pem.write_to_path(str(ca))
+    model_dir = tmp_path / "tiny"
+    make_model(len(make_tokenizer()), seed=4).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    from live_server import free_port
+
+    port = free_port()
+    env = {
+        "SPECAGENT_API_KEYS": f"tls={KEYS['full']}",
+        "SPECAGENT_CACHE": str(tmp_path / "cache"),
+        "XDG_DATA_HOME": str(tmp_path / "data"),
+        "PATH": "/usr/bin:/bin",
+    }
+    import os
+
+    env = {**os.environ, **env}
+    log = (tmp_path / "server.log").open("w")
+    command = [
+        sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir),
+        "--port", str(port), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    context = ssl.create_default_context(cafile=str(ca))
+    url = f"https://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health", verify=context, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):  # no plain HTTP
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        client = openai.OpenAI(
+            base_url=f"{url}/v1",
+            api_key=KEYS["full"],
+            max_retries=0,
+            http_client=httpx.Client(verify=context),
+        )
+        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+        server_log = (tmp_path / "server.log").read_text()
+        assert f"serving tiny on https://127.0.0.1:{port}" in server_log
+        assert "audit store: AuditStore('sqlite:///" in server_log  # the default, named
+        assert (tmp_path / "data" / "specagent" / "audit.sqlite").is_file()
+    finally:
+        process.terminate()
+        process.wait(60)
+        log.close()
