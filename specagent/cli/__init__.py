@@ -214,16 +214,23 @@ def _audit_store(args: argparse.Namespace) -> Any:
             raise SpecAgentError("--audit-required needs an audit store; drop --no-audit")
         return None
     try:
-        from ..audit import AuditStore, default_audit_url
+        from ..audit import AuditStore
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SpecAgentError(
             f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
         ) from exc
-    url = args.audit or default_audit_url()
+    url = _audit_url(args)
     try:
         return AuditStore(url, retention_days=args.audit_retention_days)
     except Exception as exc:
         raise SpecAgentError(f"cannot open the audit store {url}: {exc}") from exc
+
+
+def _audit_url(args: argparse.Namespace) -> str:
+    """``--audit``, or the default store's URL (``specagent.audit.default_audit_url``)."""
+    from ..audit import default_audit_url
+
+    return str(args.audit or default_audit_url())
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -267,9 +274,15 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         "gpus_per_replica": args.gpus_per_replica,
         "key_file": str(args.api_keys) if args.api_keys else None,
         "no_auth": args.no_auth,
+        "audit": None if args.no_audit else _audit_url(args),
+        "audit_required": args.audit_required,
+        "audit_retention_days": args.audit_retention_days,
     }
+    tls = _tls(args)
     if args.write_config:
-        path = ray_app.write_config(args.write_config, host=args.host, port=args.port, **options)
+        path = ray_app.write_config(
+            args.write_config, host=args.host, port=args.port, ssl=tls, **options
+        )
         print(f"wrote {path}; deploy it with: serve deploy {path}")
         return 0
     import ray
@@ -279,7 +292,10 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
     KeyStore.load(args.api_keys, open=args.no_auth)  # fail closed here, before Ray starts
     ray.init()  # joins the cluster at RAY_ADDRESS if there is one, else starts a local one
-    serve.start(http_options={"host": args.host, "port": args.port})
+    http: dict[str, Any] = {"host": args.host, "port": args.port}
+    if tls:
+        http.update(ssl_certfile=tls[0], ssl_keyfile=tls[1])
+    serve.start(http_options=http)
     serve.run(
         ray_app.app_builder({k: v for k, v in options.items() if v is not None}),
         name="specagent",

@@ -17,6 +17,7 @@ history hold its prefix), falling back to the least loaded replica when that one
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -241,10 +242,19 @@ class Ingress:
         no_auth: bool,
         options: ServerOptions,
         ingress_token: str,
+        audit: Mapping[str, Any] | None = None,
         **handles: Any,
     ) -> None:
         self.backend = RemoteBackend(model_name, policies, handles, groups, ingress_token)
         self.keys = KeyStore.load(key_file, open=no_auth)
+        if audit and audit.get("url"):
+            # The ingress records every call (its replicas record none): one store per ingress.
+            from ..audit import AuditStore
+
+            store = AuditStore(str(audit["url"]), retention_days=audit.get("retention_days"))
+            options = dataclasses.replace(
+                options, audit=store, audit_required=bool(audit.get("required"))
+            )
         self.options = options
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -268,6 +278,9 @@ def build_app(
     model_name: str | None = None,
     options: ServerOptions | None = None,
     runtime_options: Mapping[str, Any] | None = None,
+    audit: str | None = None,
+    audit_required: bool = False,
+    audit_retention_days: float | None = None,
 ) -> Any:
     """The Ray Serve application: an ingress and one replica group per policy group.
 
@@ -275,7 +288,8 @@ def build_app(
     "medical-summary"]}``: those calls never share a replica, a cache or a history with the
     others). ``autoscaling`` is Ray Serve's ``autoscaling_config`` for every group (then
     ``replicas`` is ignored). Each replica holds ``cpus_per_replica`` CPUs (torch uses as many
-    threads) and ``gpus_per_replica`` GPUs."""
+    threads) and ``gpus_per_replica`` GPUs. ``audit`` (a database URL) is where the ingress
+    records every call (``specagent.audit``)."""
     policy_set = _policy_set(policies)
     groups = {name: list(members) for name, members in (groups or {}).items()}
     unknown = sorted({p for members in groups.values() for p in members} - set(policy_set.names()))
@@ -309,8 +323,17 @@ def build_app(
             {"model_name": name, **(runtime_options or {})},
             token,
         )
+    audited = {"url": audit, "required": audit_required, "retention_days": audit_retention_days}
     return cast(Any, Ingress).bind(
-        name, policy_set, groups, key_file, no_auth, options or ServerOptions(), token, **handles
+        name,
+        policy_set,
+        groups,
+        key_file,
+        no_auth,
+        options or ServerOptions(),
+        token,
+        audited,
+        **handles,
     )
 
 
@@ -334,14 +357,22 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 
 def write_config(
-    path: str | Path, *, host: str = "127.0.0.1", port: int = 8000, **args: Any
+    path: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    ssl: tuple[str, str] | None = None,
+    **args: Any,
 ) -> Path:
     """A Ray Serve config file (``serve deploy path``) for ``app_builder`` with ``args``,
     listening on ``host`` (the loopback unless told otherwise: ``0.0.0.0`` exposes the
-    server on every interface)."""
+    server on every interface); ``ssl``: a certificate and its key, for HTTPS."""
+    http: dict[str, Any] = {"host": host, "port": port}
+    if ssl:
+        http.update(ssl_certfile=ssl[0], ssl_keyfile=ssl[1])
     config = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": host, "port": port},
+        "http_options": http,
         "applications": [
             {
                 "name": "specagent",
