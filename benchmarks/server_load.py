@@ -69,7 +69,12 @@ def start_server(
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {**os.environ, "SPECAGENT_API_KEYS": keys, "SPECAGENT_CACHE": str(cache)}
+    env = {
+        **os.environ,
+        "SPECAGENT_API_KEYS": keys,
+        "SPECAGENT_CACHE": str(cache),
+        "XDG_DATA_HOME": str(cache),  # its default audit store, if it keeps one
+    }
     command = [sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir)]
     process = subprocess.Popen(
         [*command, "--port", str(port), "--dtype", "float32", *extra],
