@@ -6,6 +6,8 @@ needs, and what that costs in single-token target steps, without the host's drif
     python benchmarks/replay_agent_drafting.py replay TRACES.json   # draft model only, ~3 min
     python benchmarks/replay_agent_drafting.py record TRACES.json --workload prompts \
         --max-new-tokens 48                                         # 13 single prompts
+    python benchmarks/replay_agent_drafting.py record TRACES.json \
+        --target qwen2.5-coder-1.5b-instruct --engine llama.cpp     # the GGUF, no draft
 
 ``record`` runs every episode through the public runtime (``lossless-auto`` with prefix reuse,
 as ``specagent bench --workload agent`` does) and keeps each turn's prompt, output and stats;
@@ -59,10 +61,20 @@ from specagent.machine import machine_info
 TENANT = "replay"
 
 
-def record(path: Path, max_new_tokens: int, workload: str = "agent") -> None:
-    target, draft = PAIRS["qwen2.5-coder"]
+def record(
+    path: Path,
+    max_new_tokens: int,
+    workload: str = "agent",
+    models: tuple[str, str | None] = PAIRS["qwen2.5-coder"],
+    engine: str = "transformers",
+) -> None:
+    target, draft = models
     runtime = SpecRuntime.from_pretrained(
-        target, draft, policies=agent_policies(True), prefix_cache_tokens=65536
+        target,
+        draft,
+        policies=agent_policies(draft is not None),
+        prefix_cache_tokens=65536,
+        engine=engine,
     )
     runtime.wait_measured(timeout=3600)
     method = _spec_method(runtime, "lossless-auto", max_new_tokens, reuse=True)
@@ -75,6 +87,7 @@ def record(path: Path, max_new_tokens: int, workload: str = "agent") -> None:
     data = {
         "target": target,
         "draft": draft,
+        "engine": runtime.engine,
         "max_new_tokens": max_new_tokens,
         "eos_token_ids": list(runtime.eos_token_ids),
         "precision": dtypes_of(runtime),
@@ -350,12 +363,15 @@ def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
     trees = auto.drafter.model_copy(update={"tree": True})
     policies.insert(1, auto.model_copy(update={"name": "lossless-auto-trees", "drafter": trees}))
     plain = Policy(name="plain", description="replay", mode="lossless", drafter={"kind": "none"})
+    if traces["draft"] is None:
+        policies = [p for p in policies if p.drafter.kind != "draft_model"]
     runtime = SpecRuntime.from_pretrained(
         traces["target"],
         traces["draft"],
         policies=[*policies, plain],
         prefix_cache_tokens=65536,
         draft_dtype=draft_dtype,
+        engine=traces.get("engine", "transformers"),
     )
     runtime.wait_measured(timeout=3600)
     verify = runtime._engine.costs.measured(None)
@@ -432,9 +448,16 @@ def main() -> None:
         choices=["auto", "float32", "bfloat16", "int8"],
         help="the draft's dtype (auto: as the runtime measures it here; int8: int8 weights)",
     )
+    parser.add_argument(
+        "--target", default=None, help="record: this target alone (default: the Qwen pair)"
+    )
+    parser.add_argument(
+        "--engine", default="transformers", choices=["transformers", "llama.cpp"], help="record"
+    )
     args = parser.parse_args()
     if args.mode == "record":
-        record(args.traces, args.max_new_tokens, args.workload)
+        models = (args.target, None) if args.target else PAIRS["qwen2.5-coder"]
+        record(args.traces, args.max_new_tokens, args.workload, models, args.engine)
     else:
         replay(args.traces, args.out, args.draft_dtype)
 
