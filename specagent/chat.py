@@ -110,8 +110,8 @@ def _refuse_past(texts: Sequence[str], tokenizer: Any, limit: int) -> None:
             start = end
             if counted > limit:
                 msg = (
-                    f"the prompt's text alone holds more than {limit} tokens, the model's "
-                    "context window"
+                    f"the prompt's text alone holds more than {limit} tokens; the model's "
+                    f"context window is {limit}"
                 )
                 raise ContextLengthError(msg)
 

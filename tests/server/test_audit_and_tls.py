@@ -153,13 +153,12 @@ def test_serve_speaks_https_with_its_certificate(tmp_path: Path) -> None:
                 time.sleep(0.2)
         with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):  # no plain HTTP
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-        client = openai.OpenAI(
-            base_url=f"{url}/v1",
-            api_key=KEYS["full"],
-            max_retries=0,
-            http_client=httpx.Client(verify=context),
-        )
-        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+        with httpx.Client(verify=context) as http:
+            client = openai.OpenAI(
+                base_url=f"{url}/v1", api_key=KEYS["full"], max_retries=0, http_client=http
+            )
+            reply = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+            client.close()
         assert reply.usage.completion_tokens == 3
         server_log = (tmp_path / "server.log").read_text()
         assert f"serving tiny on https://127.0.0.1:{port}" in server_log
