@@ -56,8 +56,9 @@ async def rounds_abba(
     names = list(urls)
     for r in range(rounds):
         order = names if r % 4 in (0, 3) else list(reversed(names))
+        policy = POLICIES[r % len(POLICIES)]  # every server gets the same rounds
         for name in order:
-            wall, _, _, texts = await streams(urls[name], model, clients, tokens)
+            wall, _, _, texts = await streams(urls[name], f"{model}:{policy}", clients, tokens)
             assert len(texts) == clients, f"{name}: {len(texts)} of {clients} calls answered"
             walls[name].append(wall)
             answered[name] += len(texts)
@@ -82,6 +83,11 @@ async def outage_round(
         await anyio.sleep(2.0)
         await anyio.to_thread.run_sync(postgres.start)
     return result
+
+
+POLICIES = ("customer-reply", "internal-summary", "meeting-notes", "code-assist")
+"""The shipped policies the rounds take in turn (lossless and relaxed: the store's per-minute
+view then has something to chart per policy)."""
 
 
 def text_found(paths: list[Path], texts: list[str]) -> list[str]:
