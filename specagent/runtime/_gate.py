@@ -56,6 +56,9 @@ class _Turn(Generic[T]):
         await self._event.wait()
 
 
+_COPY = object()
+
+
 class AdmissionGate:
     """Runs admissions (``admit``) fairly across principals on ``workers`` threads; the first
     uses ``tokenizer`` itself, the others copies made when first needed."""
@@ -128,19 +131,22 @@ class AdmissionGate:
         return None
 
     def _tokenizer(self) -> Any:
-        if self._tokenizers:
-            return self._tokenizers.pop()
-        return copy.deepcopy(self._first) if self._first is not None else None
+        """A tokenizer not in use, or ``_COPY``: the admission's thread makes one (a copy of a
+        large vocabulary takes a moment, never under the lock the event loop takes)."""
+        return self._tokenizers.pop() if self._tokenizers else _COPY
 
     def _run(self, turn: _Turn[Any], tokenizer: Any) -> None:
         try:
+            if tokenizer is _COPY:
+                tokenizer = copy.deepcopy(self._first) if self._first is not None else None
             if not turn.left:
                 turn.result = turn.work(tokenizer)
         except BaseException as exc:  # handed to the caller
             turn.error = exc
         finally:
             with self._lock:
-                self._tokenizers.append(tokenizer)
+                if tokenizer is not _COPY:  # a copy that failed is not kept
+                    self._tokenizers.append(tokenizer)
                 self._busy.discard(turn.principal)
                 self._dispatch()
             turn.finish()
