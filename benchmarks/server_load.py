@@ -77,7 +77,9 @@ def start_server(
     }
     command = [sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir)]
     process = subprocess.Popen(
-        [*command, "--port", str(port), "--dtype", "float32", *extra],
+        # One key stands for many clients here: it may hold every slot (a deployment's keys
+        # default to a quarter of them each).
+        [*command, "--port", str(port), "--dtype", "float32", "--max-concurrent", "256", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -155,6 +157,7 @@ async def streams(
             start = time.perf_counter()
             parts: list[str] = []
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, await response.aread()
                 async for line in response.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
