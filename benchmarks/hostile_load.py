@@ -42,6 +42,7 @@ from runtime_load import tiny_model
 from server_load import KEY, messages, percentile, start_server
 
 from specagent.catalog import resolve_model
+from specagent.server import hash_key
 from specagent.machine import machine_info, machine_kind
 
 HOSTILE_KEY = "hostile-key-0123456789abcdefghij"
@@ -378,8 +379,18 @@ def main() -> None:
         model_dir = Path(tmp) / "tiny"
         tiny_model(tokenizer).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        keys = f"bench={KEY},hostile={HOSTILE_KEY},victim={VICTIM_KEY}"
-        url, server = start_server(model_dir, Path(tmp), keys)
+        # The honest clients share one key that may hold every slot; the hostile key and the
+        # victim hold the default share (a quarter of the slots), as deployed keys do.
+        key_file = Path(tmp) / "keys.yaml"
+        key_file.write_text(
+            "keys:\n"
+            f"  - {{name: bench, sha256: {hash_key(KEY)}, max_concurrent: 256}}\n"
+            f"  - {{name: hostile, sha256: {hash_key(HOSTILE_KEY)}}}\n"
+            f"  - {{name: victim, sha256: {hash_key(VICTIM_KEY)}}}\n"
+        )
+        url, server = start_server(
+            model_dir, Path(tmp), "", extra=("--api-keys", str(key_file)), max_concurrent=None
+        )
         try:
             model = httpx.get(
                 f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}

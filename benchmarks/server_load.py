@@ -62,10 +62,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_server(
-    model_dir: Path, cache: Path, keys: str = f"bench={KEY}", extra: tuple[str, ...] = ()
+    model_dir: Path,
+    cache: Path,
+    keys: str = f"bench={KEY}",
+    extra: tuple[str, ...] = (),
+    max_concurrent: int | None = 256,
 ) -> tuple[str, subprocess.Popen]:
     """``specagent serve`` in its own process, as it is deployed (a client in the same process
-    would share the GIL with it and measure thread hand-offs, not the server)."""
+    would share the GIL with it and measure thread hand-offs, not the server). One key stands
+    for many clients here: by default it may hold every slot (``max_concurrent``; None: the
+    server's default, a quarter of the slots per key)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -77,9 +83,15 @@ def start_server(
     }
     command = [sys.executable, "-m", "specagent.cli", "serve", "--target", str(model_dir)]
     process = subprocess.Popen(
-        # One key stands for many clients here: it may hold every slot (a deployment's keys
-        # default to a quarter of them each).
-        [*command, "--port", str(port), "--dtype", "float32", "--max-concurrent", "256", *extra],
+        [
+            *command,
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            *(("--max-concurrent", str(max_concurrent)) if max_concurrent else ()),
+            *extra,
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
