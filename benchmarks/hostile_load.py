@@ -42,8 +42,8 @@ from runtime_load import tiny_model
 from server_load import KEY, messages, percentile, start_server
 
 from specagent.catalog import resolve_model
-from specagent.server import hash_key
 from specagent.machine import machine_info, machine_kind
+from specagent.server import hash_key
 
 HOSTILE_KEY = "hostile-key-0123456789abcdefghij"
 TOOL = {
