@@ -67,6 +67,8 @@ class AuditStore:
         self._cond = threading.Condition()
         self._healthy = True
         self._writing = False
+        self._flushing = 0
+        """Callers waiting in ``flush``: the writer does not wait for more rows meanwhile."""
         self._closing = False
         self._last_retention = 0.0
         self._thread = threading.Thread(target=self._run, name="specagent-audit", daemon=True)
@@ -93,7 +95,8 @@ class AuditStore:
             else:
                 # Every column, absent ones NULL: a batch is one statement for all its rows.
                 self._rows.append({name: row.get(name) for name in COLUMNS})
-                self._cond.notify()
+                if len(self._rows) >= self.batch_rows:
+                    self._cond.notify()
                 return True
         if dropped == 1 or dropped % 1000 == 0:
             log.error(
@@ -107,12 +110,16 @@ class AuditStore:
         """Wait until every row recorded so far is written (False: not within ``timeout``)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._cond.notify()
-            while self._rows or self._writing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.1))
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._rows or self._writing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.1))
+            finally:
+                self._flushing -= 1
         return True
 
     def close(self, timeout: float = 30.0) -> None:
@@ -128,8 +135,16 @@ class AuditStore:
         pause = 0.0
         while True:
             with self._cond:
-                if not self._rows and not self._closing:
-                    self._cond.wait(self.flush_s)
+                # Rows gather for up to ``flush_s`` (or until a batch is full): one transaction
+                # per batch, not per row, keeps the store's share of the process small.
+                deadline = time.monotonic() + self.flush_s
+                while (
+                    len(self._rows) < self.batch_rows
+                    and not self._closing
+                    and not self._flushing
+                    and (left := deadline - time.monotonic()) > 0
+                ):
+                    self._cond.wait(left)
                 if self._closing and not self._rows:
                     return
                 batch = [self._rows.popleft() for _ in range(min(self.batch_rows, len(self._rows)))]
