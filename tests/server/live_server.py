@@ -78,6 +78,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def wait_until_up(process: Any, url: str, log: Path, verify: Any = True) -> None:
+    """Until ``specagent serve`` (``process``, logging to ``log``) answers ``/health`` at
+    ``url``; fails with its log if it exits or takes over three minutes."""
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(f"{url}/health", verify=verify, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serving(app: Any) -> Iterator[str]:
     """``app`` served by uvicorn on a free local port, from a thread; yields its address."""

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import make_model, make_tokenizer
-from live_server import KEYS, key_file, serving  # fixtures by name
+from live_server import KEYS, free_port, key_file, serving, wait_until_up  # fixtures by name
 
 from specagent import SpecRuntime, shipped_policies
 from specagent.audit import AuditStore, read_calls
@@ -121,7 +121,6 @@ def test_serve_speaks_https_with_its_certificate(tmp_path: Path) -> None:
     model_dir = tmp_path / "tiny"
     make_model(len(make_tokenizer()), seed=4).save_pretrained(model_dir)
     make_tokenizer().save_pretrained(model_dir)
-    from live_server import free_port
 
     port = free_port()
     env = {
@@ -142,15 +141,7 @@ def test_serve_speaks_https_with_its_certificate(tmp_path: Path) -> None:
     context = ssl.create_default_context(cafile=str(ca))
     url = f"https://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", verify=context, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_up(process, url, tmp_path / "server.log", verify=context)
         with pytest.raises((httpx.ConnectError, httpx.RemoteProtocolError)):  # no plain HTTP
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
         with httpx.Client(verify=context) as http:

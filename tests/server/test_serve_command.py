@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import make_model, make_tokenizer
-from live_server import free_port
+from live_server import free_port, wait_until_up
 
 KEY = "env-key-0123456789abcdefghij"
 
@@ -55,15 +55,7 @@ def test_serve_drains_on_sigterm(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {KEY}"}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_until_up(process, url, tmp_path / "server.log")
         assert httpx.get(f"{url}/v1/models", timeout=5).status_code == 401
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=5).json()
         assert "tiny:customer-reply" in {m["id"] for m in models["data"]}  # shipped policies
