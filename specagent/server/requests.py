@@ -1,0 +1,160 @@
+"""Reading a chat request: its key, its body and the ``CallSpec`` it asks for (policy by
+precedence, the key's allowances, the tenant), and a key's default share of the slots."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from ..backend import Backend
+from ..calls import CallSpec, split_model
+from ..decoding.tenants import Tenant
+from ..errors import ModelNotFoundError, PolicyNotFoundError
+from .errors import ApiError, as_api_error
+from .keys import ApiKey, KeyStore
+from .options import ServerOptions
+from .wire import ChatCompletionRequest, to_template_messages
+
+__all__ = [
+    "DEFAULT_SHARE",
+    "POLICY_HEADER",
+    "POLICY_METADATA_KEY",
+    "TAGS_METADATA_KEY",
+    "authenticate",
+    "bearer",
+    "budget",
+    "call_spec",
+    "default_per_key",
+    "parse_body",
+    "resolved_policy",
+    "unavailable_policy",
+]
+
+POLICY_HEADER = "x-specagent-policy"
+POLICY_METADATA_KEY = "specagent_policy"
+TAGS_METADATA_KEY = "specagent_tags"
+
+
+def parse_body(raw: bytes) -> ChatCompletionRequest:
+    """The request body, or 422 naming the first field that is wrong."""
+    try:
+        return ChatCompletionRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        text = f"{param}: {message}" if param else message
+        raise ApiError(422, text, "invalid_request_error", param) from None
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def authenticate(keys: KeyStore, request: Request) -> ApiKey:
+    presented = bearer(request)
+    key = keys.authenticate(presented)
+    if key is None:
+        message = (
+            "invalid API key" if presented else "missing API key (Authorization: Bearer <key>)"
+        )
+        raise ApiError(401, message, "authentication_error", code="invalid_api_key")
+    return key
+
+
+def call_spec(
+    backend: Backend,
+    body: ChatCompletionRequest,
+    request: Request,
+    key: ApiKey,
+    options: ServerOptions,
+) -> CallSpec:
+    metadata = body.metadata or {}
+    policy = metadata.get(POLICY_METADATA_KEY) or request.headers.get(POLICY_HEADER)
+    try:
+        named = split_model(body.model, backend.model_name)
+    except ModelNotFoundError as exc:
+        code = "model_not_found"
+        raise ApiError(404, str(exc), "not_found_error", param="model", code=code) from exc
+    policy = policy or named
+    tags = [t for t in (metadata.get(TAGS_METADATA_KEY) or "").split(",") if t.strip()]
+    # The key is the principal (its memory is accounted as one), ``user`` a sub-tenant under it.
+    try:
+        tenant = Tenant(key.name, body.user or None)
+    except ValueError as exc:
+        raise ApiError(422, f"user: {exc}", "invalid_request_error", param="user") from None
+    request.state.tenant = str(tenant)
+    try:
+        call = CallSpec.build(
+            to_template_messages(body.messages),
+            backend=backend,
+            policy=policy,
+            tags=[t.strip() for t in tags],
+            tenant=tenant,
+            default_policy=options.default_policy,
+            tools=body.tools,
+            tool_choice=body.tool_choice,
+            response_format=body.response_format,
+            stop=body.stop,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            max_tokens=budget(body.budget, key, options),
+            seed=body.seed,
+            timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
+        )
+    except ValueError as exc:  # InvalidRequestError and message translation
+        raise as_api_error(exc) from None
+    chosen = resolved_policy(backend, call, key)
+    if not key.may_use(chosen):
+        # The same answer as for a policy that does not exist: a restricted key learns no
+        # policy names beyond its own.
+        raise unavailable_policy(backend, call.policy or chosen, key)
+    request.state.policy = chosen  # from here on its refusals count under it
+    # The server records its calls in the audit store itself (with their HTTP status and
+    # key): the runtime does not record them again.
+    return dataclasses.replace(call, options={**call.options, "record": False})
+
+
+DEFAULT_SHARE = 4
+"""A key that sets no concurrency bound may hold a quarter of the runtime's decoding slots."""
+
+
+def default_per_key(backend: Backend) -> int:
+    """Calls in flight a key may hold when neither it nor the server says: a share of the
+    backend's decoding slots (16 where it does not say how many it has)."""
+    slots = getattr(backend, "max_active", None)
+    return max(1, slots // DEFAULT_SHARE) if isinstance(slots, int) else 16
+
+
+def budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:
+    """The call's ``max_tokens``: what it asked for, refused over the key's or the server's
+    cap (a call that asks for none runs with its policy's default: the operator's own)."""
+    cap = key.max_tokens if key.max_tokens is not None else options.max_tokens
+    if asked is None:
+        return None
+    if asked > cap:
+        message = f"max_tokens {asked} is over this key's limit of {cap}"
+        raise ApiError(422, message, "invalid_request_error", param="max_tokens")
+    return asked
+
+
+def resolved_policy(backend: Backend, call: CallSpec, key: ApiKey) -> str:
+    """The policy the backend will run the call under (unknown names: 404, listing only the
+    policies the key may use: a restricted key learns nothing of the others)."""
+    try:
+        return backend.policies.resolve(call.policy, call.tags).name
+    except PolicyNotFoundError as exc:
+        if "*" in key.policies:
+            raise as_api_error(exc) from None
+        raise unavailable_policy(backend, call.policy, key) from None
+
+
+def unavailable_policy(backend: Backend, asked: str | None, key: ApiKey) -> ApiError:
+    """404 for a policy a restricted key may not use, whether or not it exists."""
+    allowed = [p.name for p in backend.policies if key.may_use(p.name)]
+    message = f"no policy {asked!r} is available to this key; it may use: {allowed}"
+    return ApiError(404, message, "not_found_error", param="policy", code="policy_not_found")
