@@ -63,6 +63,7 @@ from ._admission import (
     drafter_kind,
 )
 from ._assembly import CallAssembler
+from ._audit import CallFacts, audit_store, record_call, status_of
 from ._engine import Engine
 from ._gate import AdmissionGate
 from ._loading import load_pair
@@ -138,7 +139,7 @@ class SpecRuntime:
         check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
         if is_engine_model(self.target):
             _refuse_early_exit(self.policies, self.draft is not None, self.engine)
-        self.audit = _audit_store(audit)
+        self.audit = audit_store(audit)
         """Where every call's row goes (``specagent.audit``: a database URL or an
         ``AuditStore``; None: no audit): who called which policy, when, with what result and
         quality, never its text."""
@@ -529,7 +530,7 @@ class SpecRuntime:
         # An absolute deadline, admission included, checked around each wait: a cancel scope
         # held across the ``yield``s below would fire inside the caller's own code.
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
-        facts = _Facts(self.audit if record else None)
+        facts = CallFacts(self.audit if record else None)
         try:
             try:
                 who = tenant_of(tenant)
@@ -560,7 +561,7 @@ class SpecRuntime:
                 timeout,
             )
         except BaseException as exc:
-            self._record(facts, _status_of(exc))
+            self._record(facts, status_of(exc))
             raise
         call = self._start_span(request, parent_context, streaming)
         facts.trace_id = call.trace_id
@@ -595,7 +596,7 @@ class SpecRuntime:
         except BaseException as exc:
             self._telemetry.fail_call(call, exc)
             if not finished:
-                self._record(facts, _status_of(exc))
+                self._record(facts, status_of(exc))
             raise
         finally:
             job.cancelled.set()
@@ -603,28 +604,9 @@ class SpecRuntime:
                 self._telemetry.fail_call(call, GeneratorExit("stream closed before it finished"))
                 self._record(facts, "cancelled")
 
-    def _record(self, facts: _Facts, status: str) -> None:
+    def _record(self, facts: CallFacts, status: str) -> None:
         """The call's audit row, once (``facts.audit``: the store, None: not recorded here)."""
-        if facts.audit is None or facts.recorded:
-            return
-        facts.recorded = True
-        from ..audit import call_row  # the audit extra: imported where a store is in use
-
-        request = facts.request
-        facts.audit.record(
-            call_row(
-                front_door="sdk",
-                status=status,
-                result=facts.result,
-                tenant=request.tenant if request is not None else facts.tenant,
-                policy=request.policy.name if request is not None else None,
-                mode=request.policy.mode if request is not None else None,
-                engine=self.engine,
-                model=self.model_name,
-                prompt_tokens=len(request.prompt_ids) if request is not None else None,
-                trace_id=facts.trace_id,
-            )
-        )
+        record_call(facts, status, self.engine, self.model_name)
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run a call to the end. Keywords as ``stream``."""
@@ -713,36 +695,3 @@ def _model_name(model: Any) -> str:
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
     return Path(str(name)).name or type(model).__name__
-
-
-def _audit_store(audit: Any) -> AuditStore | None:
-    """``audit`` opened (``specagent.audit.open_audit``); SQLAlchemy is imported only where a
-    store is asked for."""
-    if audit is None:
-        return None
-    from ..audit import open_audit
-
-    return open_audit(audit)
-
-
-@dataclasses.dataclass
-class _Facts:
-    """What a call learned on its way, for its audit row."""
-
-    audit: AuditStore | None
-    tenant: Tenant | None = None
-    request: Request | None = None
-    result: GenerationResult | None = None
-    trace_id: str | None = None
-    recorded: bool = False
-
-
-def _status_of(exc: BaseException) -> str:
-    """An audit row's status for a call that ended by ``exc``: its error type, or
-    ``cancelled`` (its caller went away or was cancelled)."""
-    if isinstance(exc, GeneratorExit):
-        return "cancelled"
-    with contextlib.suppress(Exception):  # outside an event loop: not a cancellation
-        if isinstance(exc, anyio.get_cancelled_exc_class()):
-            return "cancelled"
-    return type(exc).__name__
