@@ -409,7 +409,7 @@ class _Stops:
 
 def build_draft_model(
     config: DrafterSettings, parts: DraftingParts
-) -> tuple[Drafter | None, Schedule]:
+) -> tuple[DraftModelDrafter, Schedule]:
     """The registry's builder for ``draft_model``: the runtime's draft model."""
     assert parts.draft is not None  # the registry refuses the policy on a runtime without one
     return _model_drafter(DraftModelDrafter, parts.draft, config, parts)
@@ -443,7 +443,7 @@ def _model_drafter(
     runner: Runner,
     config: DrafterSettings,
     parts: DraftingParts,
-) -> tuple[Drafter | None, Schedule]:
+) -> tuple[DraftModelDrafter, Schedule]:
     k = config.num_speculative_tokens
     costs = parts.costs(runner) if config.adaptive or config.lookup_guesses else None
     guesses = None

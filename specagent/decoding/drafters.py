@@ -35,7 +35,6 @@ __all__ = [
     "TokenConstraint",
     "build_no_drafter",
     "build_prompt_lookup",
-    "draft_steps",
     "lookup_continuation",
     "run_inline",
 ]
@@ -91,7 +90,53 @@ def run_inline(steps: Generator[ForwardRequest, torch.Tensor | None, T]) -> T:
     raise TypeError(f"a drafting coroutine yielded {type(item).__name__}, not a forward request")
 
 
-class StepwiseDrafter:
+class Drafter:
+    """Proposes draft tokens for one call. A drafter answers ``propose`` at once (no model to
+    run: lookup, history) or, running a model, is a ``StepwiseDrafter`` whose ``propose_steps``
+    yields each forward so the runtime can batch them across calls. What a drafter does not
+    need (tree feedback, a cache to leave) it inherits as a no-op."""
+
+    name: str = "drafter"
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Proposal:
+        """Up to ``k`` tokens to follow ``context`` (prompt + output so far). Under a
+        ``constraint``, only allowed tokens, each consumed into it (the loop rolls them back)."""
+        raise NotImplementedError
+
+    def propose_steps(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        """``propose`` as a coroutine of forward requests: none here (nothing to run)."""
+        yield from ()
+        return self.propose(context, k, params, generator, constraint)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """How many of the last proposal's tokens the target accepted (nothing to learn here)."""
+
+    def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
+        """The last proposal's token tree was judged: the accepted ``path`` (nodes). By default
+        the drafter learns how far the path followed the proposal's own tokens (the tree's
+        first draft)."""
+        self.observe(len(tree.chains[0]), tree.accepted_of(0, path))
+
+    def leave_cache(self) -> None:
+        """At the end of the call: hand what the drafter holds for later calls to the prefix
+        cache (nothing here)."""
+
+
+class StepwiseDrafter(Drafter):
     """Base of drafters that run a model: ``propose_steps`` yields each draft forward (so the
     runtime can batch them across calls); ``propose`` runs them inline."""
 
@@ -116,29 +161,7 @@ class StepwiseDrafter:
         raise NotImplementedError
 
 
-class Drafter(Protocol):
-    """Proposes draft tokens for one call."""
-
-    name: str
-
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        """Up to ``k`` tokens to follow ``context`` (prompt + output so far). Under a
-        ``constraint``, only allowed tokens, each consumed into it (the loop rolls them back)."""
-        ...
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """How many of the last proposal's tokens the target accepted."""
-        ...
-
-
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """n-gram lookup in the context (Saxena 2023; transformers' prompt lookup decoding).
 
     Tries the longest n-gram first (``max_ngram`` down to ``min_ngram``) and takes the most recent
@@ -168,9 +191,6 @@ class PromptLookupDrafter:
             return EMPTY
         found = _admissible(follow, constraint)
         return Proposal(found.tokens, masks=found.masks, source="history")
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Lookup has no state to update."""
 
 
 def build_prompt_lookup(
@@ -207,23 +227,6 @@ def lookup_continuation(
                 if follow:
                     return list(follow)
     return []
-
-
-def draft_steps(
-    drafter: Drafter,
-    context: list[int],
-    k: int,
-    params: SamplingParams,
-    generator: torch.Generator,
-    constraint: TokenConstraint | None = None,
-) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
-    """A proposal, yielding the drafter's forwards when it has any (``propose_steps``) so they
-    can be batched; drafters without a model (prompt lookup) answer at once."""
-    stepwise = getattr(drafter, "propose_steps", None)
-    if stepwise is None:
-        return drafter.propose(context, k, params, generator, constraint)
-    proposal: Proposal = yield from stepwise(context, k, params, generator, constraint)
-    return proposal
 
 
 def _admissible(tokens: list[int], constraint: TokenConstraint | None) -> Proposal:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible, draft_steps
+from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible
 from .engine import ForwardRequest, KVSequence, Runner, advance, crop_to, to_device
 from .parts import Prefixes
 from .prefix import reuse_prefix
@@ -225,8 +225,8 @@ def speculative_steps(
         complete = constraint is not None and constraint.is_stopped()  # forced to the end
         if k > 0 and drafter is not None and not complete:
             drafted_from = [*context, *forced.tokens]
-            proposal = yield from draft_steps(
-                drafter, drafted_from, k, params, generator, constraint
+            proposal = yield from drafter.propose_steps(
+                drafted_from, k, params, generator, constraint
             )
         else:
             proposal = EMPTY
@@ -247,11 +247,8 @@ def speculative_steps(
             keep_path(cache, len(context) - 1, judged.path)
             counters.record_tree(len(tree), judged)
             schedule.observe(proposed, tree.accepted_of(0, judged.path))
-            observe = getattr(drafter, "observe_tree", None)
-            if observe is not None:
-                observe(tree, judged.path)
-            elif drafter is not None:
-                drafter.observe(proposed, tree.accepted_of(0, judged.path))
+            if drafter is not None:
+                drafter.observe_tree(tree, judged.path)
             new = [*(tree.tokens[node] for node in judged.path), judged.next_token]
         else:
             tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
@@ -330,9 +327,8 @@ def _keep_for_later(
     is kept without a copy; the drafter leaves its own the same way."""
     crop_to(cache, len(context) - 1)  # the cache may hold accepted tokens cut at a stop
     prefixes.store(id(target), context[:-1], cache, copy=False)
-    leave = getattr(drafter, "leave_cache", None)
-    if leave is not None:
-        leave()
+    if drafter is not None:
+        drafter.leave_cache()
 
 
 def _take_forced(constraint: TokenConstraint | None, limit: int) -> Proposal:

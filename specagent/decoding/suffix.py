@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .costs import CostModel, expected_tokens, most_per_cost
-from .draft_model import build_draft_model
+from .draft_model import DraftModelDrafter, build_draft_model
 from .drafters import (
     EMPTY,
     Drafter,
@@ -29,7 +29,6 @@ from .drafters import (
     StepwiseDrafter,
     TokenConstraint,
     _admissible,
-    draft_steps,
 )
 from .engine import ForwardRequest
 from .history import Continuation, SuffixIndex, continuation, runner_up
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["AutoDrafter", "SuffixDrafter", "build_auto", "build_suffix"]
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Proposes what most often followed the context's longest match, in the call's own context
     (prompt and output so far) and in the earlier calls of ``shared`` indexes."""
 
@@ -202,7 +201,7 @@ class AutoDrafter(StepwiseDrafter):
     def __init__(
         self,
         history: SuffixDrafter,
-        model: Drafter | None = None,
+        model: DraftModelDrafter | None = None,
         schedule: Schedule | None = None,
         trees: bool = False,
     ) -> None:
@@ -224,8 +223,7 @@ class AutoDrafter(StepwiseDrafter):
         model_k, model_rate = 0, 0.0
         if self.model is not None and self.schedule is not None:
             model_k = self.schedule.next_k(k)
-            pays = getattr(self.model, "catch_up_pays", None)
-            if model_k > 0 and pays is not None and not pays(context):
+            if model_k > 0 and not self.model.catch_up_pays(context):
                 model_k = 0  # catching the draft up would cost more than the call can save
             if model_k > 0 and isinstance(self.schedule, AdaptiveSchedule):
                 best = max(self.schedule.best_k(), 1)
@@ -245,8 +243,8 @@ class AutoDrafter(StepwiseDrafter):
             return self.history.take(found, constraint)
         if self.model is not None and model_k > 0:
             self._source = "model"
-            proposal: Proposal = yield from draft_steps(
-                self.model, context, model_k, params, generator, constraint
+            proposal: Proposal = yield from self.model.propose_steps(
+                context, model_k, params, generator, constraint
             )
             if self.trees and found.tokens and proposal.tokens and constraint is None:
                 return self._with_history_branch(proposal, found)
@@ -256,7 +254,7 @@ class AutoDrafter(StepwiseDrafter):
     def _catch_up(self, tokens: float) -> float:
         """What a history draft that emits ``tokens`` costs the draft model later: it feeds
         them at its next draft (one forward over them all, more than a single-token step)."""
-        costs = getattr(self.model, "costs", None)
+        costs = self.model.costs if self.model is not None else None
         if costs is None or not costs.draft:
             return 0.0
         # A draft after a model step feeds one token (the one the target added); these, more.
@@ -305,9 +303,8 @@ class AutoDrafter(StepwiseDrafter):
 
     def leave_cache(self) -> None:
         """The draft model's KV goes to the prefix cache at the end of the call."""
-        leave = getattr(self.model, "leave_cache", None)
-        if leave is not None:
-            leave()
+        if self.model is not None:
+            self.model.leave_cache()
 
     def observe_tree(self, tree: DraftTree, path: list[int]) -> None:
         """A token tree was judged: the model's draft and the history's first (best) one learn

@@ -18,7 +18,7 @@ from specagent.decoding import tree as tree_module
 from specagent.decoding.acceptance import TopKRule
 from specagent.decoding.costs import CostModel
 from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import Proposal, TokenConstraint
+from specagent.decoding.drafters import Drafter, Proposal, TokenConstraint
 from specagent.decoding.history import SuffixIndex, continuation, runner_up
 from specagent.decoding.loop import DecodeEvent, speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
@@ -114,7 +114,7 @@ def test_greedy_walk_follows_the_targets_choice_through_the_branches() -> None:
 # --------------------------------------------------------------------------- exactness
 
 
-class TreeDrafter:
+class TreeDrafter(Drafter):
     """Every step: the first drafter's draft and, beside it in a tree, the others'."""
 
     name = "tree"
@@ -135,9 +135,6 @@ class TreeDrafter:
         if not drafts:
             return Proposal([])
         return dataclasses.replace(drafts[0], tree=DraftTree.of(drafts))
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """Nothing to learn."""
 
 
 def _model(runner: ModelRunner) -> DraftModelDrafter:
