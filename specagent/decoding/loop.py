@@ -33,12 +33,20 @@ import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
 from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible
-from .engine import ForwardRequest, KVSequence, Runner, advance, crop_to, to_device
+from .engine import (
+    ForwardRequest,
+    KVSequence,
+    Runner,
+    advance,
+    crop_to,
+    keep_path,
+    to_device,
+)
 from .parts import Prefixes
 from .prefix import reuse_prefix
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
-from .tree import TreeVerdict, keep_path, verify_tree
+from .tree import TreeVerdict, verify_tree
 
 __all__ = [
     "DecodeCounters",

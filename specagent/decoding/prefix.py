@@ -1,7 +1,7 @@
 """Prefix reuse: KV of earlier prompts and conversations, kept per tenant and runner, so that
 the next turn of a conversation prefills only its new message. Engine-agnostic: an entry is a
-copy of whatever a runner's ``new_cache`` made (``KVSequence``), taken with ``copy.deepcopy``
-or, where the engine says how, with the cache's own ``kept_copy``."""
+copy of whatever a runner's ``new_cache`` made (``KVSequence``), taken as its engine declares
+(``engine.kept_sequence``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import GenerationError
-from .engine import Runner, crop_to
+from .engine import Runner, crop_to, kept_sequence
 from .parts import Prefixes
 from .tenants import Tenant
 
@@ -145,7 +145,7 @@ class PrefixCache:
         for old in covered:  # the new entry holds all of them
             self._drop(old)
         try:
-            kept = _kept(cache, copy)
+            kept = kept_sequence(cache, copy)
         except GenerationError:  # an engine with no sequence left for a copy: keep none
             return
         crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
@@ -218,16 +218,6 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def _kept(cache: Any, copied: bool) -> Any:
-    """What an entry keeps of ``cache``: a copy, or (``copied=False``) the cache itself, unless
-    the engine makes its own kept copies (``kept_copy``: a call's KV slot keeps an ordinary
-    transformers cache of its length, not the pool's buffers)."""
-    own = getattr(cache, "kept_copy", None)
-    if own is not None:
-        return own()
-    return copy.deepcopy(cache) if copied else cache
 
 
 class Scoped(NamedTuple):

@@ -31,10 +31,9 @@ import torch
 
 from .acceptance import residual_distribution
 from .drafters import Proposal
-from .engine import crop_to
 from .sampling import sample
 
-__all__ = ["DraftTree", "TreeVerdict", "keep_path", "row_depths", "tree_mask", "verify_tree"]
+__all__ = ["DraftTree", "TreeVerdict", "row_depths", "tree_mask", "verify_tree"]
 
 
 @dataclass
@@ -195,23 +194,3 @@ def verify_tree(
         node = chosen[0]
         path.append(node)
         sources.append(chosen[1])
-
-
-@torch.inference_mode()
-def keep_path(cache: object, start: int, path: list[int]) -> None:
-    """After a tree forward that wrote its rows from position ``start`` (the root), keep the KV
-    of the root and the accepted ``path`` (nodes), moved to follow one another, and drop the
-    rest."""
-    own = getattr(cache, "keep_path", None)
-    if own is not None:  # an engine whose sequences move their own rows (KV slots)
-        own(start, path)
-        return
-    rows = [start + 1 + node for node in path]
-    if rows != list(range(start + 1, start + 1 + len(rows))):
-        index = torch.tensor(rows, dtype=torch.long)
-        for layer in cache.layers:  # type: ignore[attr-defined]
-            for name in ("keys", "values"):
-                held = getattr(layer, name)
-                moved = held.index_select(2, index.to(held.device))
-                held[:, :, start + 1 : start + 1 + len(rows)] = moved
-    crop_to(cache, start + 1 + len(rows))  # type: ignore[arg-type]

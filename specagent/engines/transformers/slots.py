@@ -42,7 +42,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...decoding.engine import cropped_length, to_device
+from ...decoding.engine import crop_to, cropped_length, keep_path, kept_sequence, to_device
 
 __all__ = ["PoolFull", "SlotBatch", "SlotPool", "SlotSequence", "batch_mask", "slot_shapes"]
 
@@ -291,8 +291,6 @@ class SlotSequence:
         """After a token tree written from position ``start`` (its root), keep the root and
         the accepted ``path`` (nodes), moved to follow one another (``tree.keep_path``)."""
         if self.own is not None:
-            from ...decoding.tree import keep_path
-
             keep_path(self.own, start, path)
             return
         rows = [start + 1 + node for node in path]
@@ -407,3 +405,30 @@ def batch_mask(
         return visible
     zero = torch.zeros((), dtype=dtype)
     return torch.where(visible, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
+
+
+@kept_sequence.register
+def _kept_slot(cache: SlotSequence, copied: bool) -> DynamicCache:
+    """A slot's prefix is kept as an ordinary cache of its length (the pool's buffers stay
+    the pool's), copied or not."""
+    return cache.kept_copy()
+
+
+@keep_path.register
+def _keep_slot_path(cache: SlotSequence, start: int, path: list[int]) -> None:
+    cache.keep_path(start, path)
+
+
+@keep_path.register
+@torch.inference_mode()
+def _keep_cache_path(cache: Cache, start: int, path: list[int]) -> None:
+    """A transformers cache keeps a tree's accepted path by moving its rows in every layer."""
+    rows = [start + 1 + node for node in path]
+    if rows != list(range(start + 1, start + 1 + len(rows))):
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                held = getattr(layer, name)
+                moved = held.index_select(2, index.to(held.device))
+                held[:, :, start + 1 : start + 1 + len(rows)] = moved
+    crop_to(cache, start + 1 + len(rows))

@@ -279,7 +279,7 @@ async def test_the_runtime_answers_the_same_with_and_without_slots(
 def test_a_token_tree_over_a_slot_gives_the_logits_and_kept_path_of_an_ordinary_cache(
     model,
 ) -> None:
-    from specagent.decoding.tree import keep_path
+    from specagent.decoding.engine import keep_path
 
     runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
     assert runner.takes_trees
