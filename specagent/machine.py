@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ProbeStore", "config_key", "machine_info", "machine_kind", "model_key"]
+__all__ = ["ProbeStore", "config_key", "machine_info", "machine_kind"]
 
 _ISA_FLAGS = (
     "avx",
@@ -142,22 +142,6 @@ def config_key(config: Any, *parts: object) -> str:
         described.pop(noise, None)
     payload = json.dumps([described, [str(p) for p in parts]], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:20]
-
-
-def model_key(model: torch.nn.Module, *parts: object) -> str:
-    """``config_key`` of a loaded model, with its dtype and device (and whether its linears
-    hold int8 weights: a draft's may, ``engines.transformers.quantized``, at the same parameter
-    dtype)."""
-    from .engines.transformers.quantized import has_int8_weights  # the engine imports this module
-
-    engine_key = getattr(model, "key", None)
-    if not isinstance(model, torch.nn.Module) and callable(engine_key):
-        return config_key(engine_key(), *parts)  # another engine's model (``engines``)
-    config = getattr(model, "config", None) or {"type": type(model).__name__}
-    param = next(model.parameters())
-    if has_int8_weights(model):
-        parts = ("int8-weights", *parts)
-    return config_key(config, str(param.dtype), param.device.type, *parts)
 
 
 class ProbeStore:

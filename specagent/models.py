@@ -16,7 +16,6 @@ from .errors import IncompatibleDraftError, ModelLoadError
 __all__ = [
     "check_draft_compatible",
     "context_window",
-    "eos_token_ids",
     "load_config",
     "load_model",
     "load_tokenizer",
@@ -103,8 +102,6 @@ def load_tokenizer(source: str, *, trust_remote_code: bool = False) -> Any:
 
 def model_vocab_size(model: PreTrainedModel) -> int:
     """Rows of the output embedding: the size of the model's logits."""
-    if not isinstance(model, torch.nn.Module):  # another engine's model (``engines``)
-        return int(model.vocab_size)
     head = model.get_output_embeddings()
     if head is not None and hasattr(head, "weight"):
         return int(head.weight.shape[0])
@@ -112,9 +109,6 @@ def model_vocab_size(model: PreTrainedModel) -> int:
 
 
 def context_window(model: PreTrainedModel) -> int | None:
-    if not isinstance(model, torch.nn.Module):
-        window = getattr(model, "context_window", None)
-        return int(window) if window else None
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(model.config, attr, None)
         if isinstance(value, int) and value > 0:
@@ -122,30 +116,14 @@ def context_window(model: PreTrainedModel) -> int | None:
     return None
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer: Any | None) -> list[int]:
-    """EOS ids from the generation config (chat models often have several) and the tokenizer."""
-    ids: list[int] = []
-    if not isinstance(model, torch.nn.Module):
-        ids.extend(model.eos_token_ids())  # the GGUF's end-of-generation tokens
-    gen = getattr(model, "generation_config", None)
-    for source in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.append(source)
-        elif isinstance(source, (list, tuple)):
-            ids.extend(int(x) for x in source)
-    return sorted(set(ids))
-
-
 def num_layers(model: Any) -> int:
     """Decoder layers of the model (0 when its config does not say)."""
-    if not isinstance(model, torch.nn.Module):
-        return int(getattr(model, "num_layers", 0))
     return int(getattr(model.config, "num_hidden_layers", 0))
 
 
 def check_draft_compatible(
-    target: PreTrainedModel,
-    draft: PreTrainedModel,
+    target_vocab: int,
+    draft_vocab: int,
     tokenizer: Any | None,
     draft_tokenizer: Any | None = None,
 ) -> None:
@@ -154,8 +132,8 @@ def check_draft_compatible(
     With both tokenizers: every token of the target's vocabulary must have the same id in the
     draft's. Always: the draft's logits must cover every id the tokenizer can produce (models
     often pad the embedding beyond the tokenizer; those padding ids are never drafted).
+    ``target_vocab`` and ``draft_vocab`` are the columns of each model's logits.
     """
-    target_vocab, draft_vocab = model_vocab_size(target), model_vocab_size(draft)
     if draft_tokenizer is not None and tokenizer is not None:
         t_vocab, d_vocab = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
         differing = [tok for tok, idx in t_vocab.items() if d_vocab.get(tok) != idx]

@@ -13,6 +13,7 @@ import torch
 
 from specagent.decoding.costs import SettlesNothing
 from specagent.decoding.engine import cropped_length
+from specagent.engines import EngineModel, RunnerNeeds
 
 VOCAB = 12
 EOS = 2
@@ -52,6 +53,10 @@ class FakeRunner(SettlesNothing):
         self.vocab_size = vocab_size or VOCAB
         self.device = torch.device("cpu")
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
+
     def speed_key(self, *parts: object) -> str:
         return f"fake-{self.model.seed}-{parts}"
 
@@ -80,7 +85,7 @@ class FakeRunner(SettlesNothing):
         return out
 
 
-class FakeModel:
+class FakeModel(EngineModel):
     engine = "fake"
     vocab_size = VOCAB
     context_window = 512
@@ -88,9 +93,18 @@ class FakeModel:
     weight_bytes = 1000
     name = "fake"
 
+    device = torch.device("cpu")
+
     def __init__(self, seed: int = 1000) -> None:
         self.seed = seed
         self.batches: list[int] = []
+
+    @property
+    def model(self) -> FakeModel:
+        return self
+
+    def build_runner(self, needs: RunnerNeeds) -> tuple[FakeRunner, None]:
+        return self.runner(needs.vocab_size), None
 
     def runner(self, vocab_size: int | None = None) -> FakeRunner:
         return FakeRunner(self, vocab_size)

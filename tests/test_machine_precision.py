@@ -13,13 +13,14 @@ from conftest import PinnedCosts, make_model
 
 from specagent import SpecRuntime
 from specagent.decoding import costs as costs_module
+from specagent.engines.transformers.keys import model_key
 from specagent.engines.transformers.precision import (
     DtypeChoice,
     choose_dtype,
     speculative_cost_per_token,
 )
 from specagent.engines.transformers.quantized import has_int8_weights, int8_supported
-from specagent.machine import ProbeStore, config_key, fingerprint, machine_info, model_key
+from specagent.machine import ProbeStore, config_key, fingerprint, machine_info
 from specagent.policy import Policy
 from specagent.policy.schema import DrafterConfig
 

@@ -115,22 +115,15 @@ def most_per_cost(gains: Sequence[float], costs: Sequence[float], margin: float 
     return best
 
 
-def prior_costs(target: Any, draft: Any | None) -> CostModel:
+def prior_costs(target: Runner, draft: Runner | None) -> CostModel:
     """Costs to plan with until the measurement is done: a single-token forward of a model that
     streams its weights from memory costs about its weight bytes, so a draft step costs the
     ratio of the two models' bytes; verification grows a tenth of a step per extra token (the
     pessimistic default of ``CostModel``)."""
     if draft is None:
         return CostModel()
-    ratio = _weight_bytes(draft) / max(_weight_bytes(target), 1)
+    ratio = draft.weight_bytes / max(target.weight_bytes, 1)
     return CostModel(draft_step=round(min(max(ratio, 0.01), 1.0), 3))
-
-
-def _weight_bytes(model: Any) -> int:
-    held = getattr(model, "weight_bytes", None)  # an engine's model that knows its file size
-    if isinstance(held, int):
-        return held
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # --------------------------------------------------------------------------- measuring
@@ -345,7 +338,7 @@ class CostBook:
         """The measured costs of drafting with ``draft`` (None: a free drafter), or the prior
         while they are not measured yet."""
         if not self.is_measured(draft):
-            return prior_costs(self.target.model, draft.model if draft is not None else None)
+            return prior_costs(self.target, draft)
         return self._assemble(draft)
 
     def measured(self, draft: Runner | None) -> CostModel:

@@ -106,6 +106,11 @@ class Runner(Protocol):
         ...
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward reads (the prior of what a step costs, ``costs``)."""
+        ...
+
+    @property
     def takes_trees(self) -> bool:
         """Whether ``forward`` runs a token tree (a custom attention mask)."""
         ...

@@ -6,9 +6,9 @@
 
 ``choose_engine`` decides which one a source gets: ``auto`` takes llama.cpp for a GGUF model
 (a ``.gguf`` path or a catalog name) on a CPU when llama-cpp-python is installed, transformers
-otherwise. A model object of another engine than transformers offers ``runner(vocab_size)``,
-``vocab_size``, ``context_window``, ``num_layers``, ``eos_token_ids()``, ``weight_bytes`` and
-``key()``; the runtime asks nothing else of it.
+otherwise. Every engine's model is an ``EngineModel`` (``base``): the runtime asks it for its
+facts and runners, and branches on its declared ``capabilities`` only; ``engine_model`` gives
+that view of whatever a caller passed in (a torch module: the transformers engine's).
 """
 
 from __future__ import annotations
@@ -22,16 +22,20 @@ import torch
 
 from ..catalog import CATALOG
 from ..errors import ModelLoadError
+from .base import Capabilities, EngineModel, Loaded, RunnerNeeds
 
 __all__ = [
     "ENGINES",
+    "Capabilities",
     "EngineChoice",
+    "EngineModel",
     "EngineName",
+    "Loaded",
+    "RunnerNeeds",
     "choose_engine",
     "describe",
-    "is_engine_model",
-    "kv_budget",
-    "runner_for",
+    "engine_model",
+    "load_pair",
 ]
 
 EngineName = Literal["auto", "transformers", "llama.cpp"]
@@ -87,20 +91,50 @@ def choose_engine(engine: str, source: str, device: torch.device) -> EngineChoic
     return EngineChoice("llama.cpp", "a GGUF model on a CPU: llama.cpp decodes it fastest")
 
 
-def is_engine_model(model: Any) -> bool:
-    """A model another engine than transformers loaded (it makes its own runners)."""
-    return not isinstance(model, torch.nn.Module) and callable(getattr(model, "runner", None))
+def engine_model(model: Any, options: Mapping[str, Any] | None = None) -> EngineModel:
+    """The engine's view of ``model``: an ``EngineModel`` as it is (its engine took its options
+    when it loaded it), a torch module as the transformers engine's, with ``options``
+    (``transformers.TransformersOptions``'s fields)."""
+    if isinstance(model, EngineModel):
+        return model
+    if isinstance(model, torch.nn.Module):
+        from .transformers.model import TransformersModel, TransformersOptions
+
+        return TransformersModel(model, TransformersOptions(**(options or {})))
+    msg = (
+        f"a model must be a torch module (transformers) or an engine's model "
+        f"(specagent.engines.EngineModel), not {type(model).__name__}"
+    )
+    raise TypeError(msg)
 
 
-def runner_for(model: Any, vocab_size: int | None = None, **options: Any) -> tuple[Any, Any | None]:
-    """The decoding core's runner over ``model`` (``decoding.engine.Runner``) and, for the
-    transformers engine, its compiled-step decision (``engines.transformers.build_runner``,
-    which takes ``options``; another engine's model makes its own runner and takes none)."""
-    if is_engine_model(model):
-        return model.runner(vocab_size), None
-    from .transformers import build_runner
+def load_pair(
+    target: str,
+    draft: str | None,
+    device: str | torch.device,
+    dtype: str | torch.dtype,
+    draft_dtype: str | torch.dtype,
+    trust_remote_code: bool,
+    engine: str = "auto",
+    engine_options: Mapping[str, Any] | None = None,
+) -> Loaded:
+    """Target (and draft) loaded by the engine ``choose_engine`` picks, with the target's
+    tokenizer: transformers in the dtype that runs fastest here (``dtype``, ``draft_dtype``,
+    ``trust_remote_code``); llama.cpp as the GGUF ships, each model built with
+    ``engine_options`` (``llama_cpp.LlamaCppModel``'s keywords)."""
+    from ..models import resolve_device
 
-    return build_runner(model, vocab_size, **options)
+    dev = resolve_device(device)
+    choice = choose_engine(engine, target, dev)
+    if choice.engine == "llama.cpp":
+        from .llama_cpp.loading import load_pair as load_gguf
+
+        return load_gguf(target, draft, choice.to_json(), dict(engine_options or {}))
+    from .transformers.loading import load_pair as load_transformers
+
+    loaded = load_transformers(target, draft, dev, dtype, draft_dtype, trust_remote_code)
+    loaded.engine = choice.to_json()
+    return loaded
 
 
 def describe(choice: Mapping[str, Any]) -> list[str]:
@@ -115,12 +149,3 @@ def describe(choice: Mapping[str, Any]) -> list[str]:
                 f"{role}: fast paths proven in a child process in {paths['probe_s']:.1f} s"
             )
     return lines
-
-
-def kv_budget(model: Any) -> int | None:
-    """The KV positions all of a runtime's calls on ``model`` may hold together, where they
-    share one pool (llama.cpp's unified KV: its cells); None where each call's KV is its own
-    (transformers: caches, or slots that spill past their bound)."""
-    from .llama_cpp import LlamaCppModel
-
-    return model.context_tokens if isinstance(model, LlamaCppModel) else None

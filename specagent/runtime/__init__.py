@@ -25,7 +25,6 @@ import math
 import threading
 import time
 from collections.abc import AsyncGenerator, Generator, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -37,20 +36,11 @@ from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
 from ..decoding.tenants import Tenant, tenant_of
-from ..engines import is_engine_model, kv_budget
-from ..engines.transformers import PrefillTwin
-from ..engines.transformers.head import head_rows_for
+from ..engines import EngineModel, engine_model, load_pair
 from ..errors import CallTimeoutError, GenerationError, InvalidRequestError, PolicyError
 from ..grammar import Constraint, prepare
 from ..machine import ProbeStore
-from ..models import (
-    check_draft_compatible,
-    context_window,
-    eos_token_ids,
-    model_vocab_size,
-    num_layers,
-    resolve_device,
-)
+from ..models import check_draft_compatible, resolve_device
 from ..policy import Policy, default_policy
 from ..results import GenerationResult, StreamChunk
 from ..telemetry import CallSpan, Telemetry
@@ -66,7 +56,6 @@ from ._assembly import CallAssembler
 from ._audit import CallFacts, audit_store, record_call, status_of
 from ._engine import Engine
 from ._gate import AdmissionGate
-from ._loading import load_pair
 from ._worker import AsyncSink, Job, Worker
 from .portal import iterate_sync, refuse_inside_event_loop
 
@@ -105,7 +94,7 @@ class SpecRuntime:
         meter_provider: Any | None = None,
         probe_store: ProbeStore | None = None,
         compile_steps: bool | None = None,
-        draft_prefill: PrefillTwin | None = None,
+        draft_prefill: Any | None = None,
         draft_head_rows: int | Literal["auto"] | None = "auto",
         kv_slots: bool = True,
         admission_workers: int = 2,
@@ -113,31 +102,47 @@ class SpecRuntime:
     ) -> None:
         if max_active < 1 or max_queue < 0:
             raise ValueError("max_active must be >= 1 and max_queue >= 0")
-        self.device = resolve_device(device) if device is not None else _model_device(target)
-        self.target = _placed(target, self.device)
-        self.draft = _placed(draft, self.device) if draft is not None else None
+        # The engine's own knobs, passed through to the engine that runs a torch module (an
+        # engine's model took its own when it was loaded).
+        options = {
+            "compile_steps": compile_steps,
+            "kv_slots": kv_slots,
+            "draft_prefill": draft_prefill,
+            "draft_head_rows": draft_head_rows,
+        }
+        loaded = engine_model(target, options)
+        self.device = resolve_device(device) if device is not None else loaded.device
+        self._target = loaded.placed(self.device)
+        self._draft: EngineModel | None = None
+        if draft is not None:
+            self._draft = engine_model(draft, options).placed(self.device)
+        self.target = self._target.model
+        """The target as passed in or loaded (a torch module, a llama.cpp model)."""
+        self.draft = self._draft.model if self._draft is not None else None
         self.tokenizer = tokenizer
-        if self.draft is not None:
-            check_draft_compatible(self.target, self.draft, tokenizer, draft_tokenizer)
-        self.vocab_size = model_vocab_size(self.target)
-        self.context_window = context_window(self.target)
-        eos = eos_token_ids(self.target, tokenizer)
-        self.model_name = model_name or _model_name(self.target)
+        if self._draft is not None:
+            check_draft_compatible(
+                self._target.vocab_size, self._draft.vocab_size, tokenizer, draft_tokenizer
+            )
+        self.vocab_size = self._target.vocab_size
+        self.context_window = self._target.context_window
+        eos = _eos_token_ids(self._target, tokenizer)
+        self.model_name = model_name or self._target.name
         self.max_active = max_active
         self.max_queue = max_queue
         self.batching = batching
         """Batch concurrent calls' draft and verification forwards, one forward per model per
         round (else each call's forward runs on its own)."""
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
-        self.engine: str = str(getattr(target, "engine", "transformers"))
+        self.engine: str = self._target.engine
         """Which engine runs the forwards (``transformers`` or ``llama.cpp``)."""
         self.engine_choice: dict[str, Any] = {"engine": self.engine, "reason": "model passed in"}
         """The engine and why it was chosen (``from_pretrained``'s ``engine``), and on llama.cpp
         which optional fast paths each model runs with and why (``fast_paths``: a path that
         crashed or miscomputed in a child process at load stays off; ``engines.describe``
         words it)."""
-        check_policies_fit(self.policies, self.draft is not None, num_layers(self.target))
-        if is_engine_model(self.target):
+        check_policies_fit(self.policies, self.draft is not None, self._target.num_layers)
+        if not self._target.capabilities.early_exit:
             _refuse_early_exit(self.policies, self.draft is not None, self.engine)
         self.audit = audit_store(audit)
         """Where every call's row goes (``specagent.audit``: a database URL or an
@@ -163,14 +168,13 @@ class SpecRuntime:
         self._lock = threading.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
-        for model in (self.target, self.draft):
-            add_evictor = getattr(model, "add_evictor", None)
-            if self.prefix_cache is not None and is_engine_model(model) and add_evictor:
+        for model in (self._target, self._draft):
+            if self.prefix_cache is not None and model is not None:
                 # Kept prefixes hold the engine's sequences: it frees one when it runs short.
-                add_evictor(self.prefix_cache.evict_oldest)
+                model.add_evictor(self.prefix_cache.evict_oldest)
         self._engine = Engine(
-            self.target,
-            self.draft,
+            self._target,
+            self._draft,
             vocab_size=self.vocab_size,
             eos_token_ids=eos,
             context_window=self.context_window,
@@ -179,10 +183,7 @@ class SpecRuntime:
             longest=max(p.drafter.num_speculative_tokens for p in self.policies) + 1,
             decode_text=self._decode_text,
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
-            compile_steps=compile_steps,
-            draft_prefill=draft_prefill,
-            draft_head_rows=self._draft_head_rows(draft_head_rows),
-            kv_slots=kv_slots,
+            tokenizer=tokenizer,
         )
 
     @property
@@ -191,20 +192,6 @@ class SpecRuntime:
         (``engines.transformers.head``; None: all of them, or no draft)."""
         runner = self._engine.draft_runner
         return runner.head_rows if runner is not None else None
-
-    def _draft_head_rows(self, rows: int | Literal["auto"] | None) -> int | None:
-        """The draft head's rows its logits are projected onto (``engines.transformers.head``):
-        ``"auto"`` keeps the first 32768 where the tokenizer orders its vocabulary by frequency
-        and the vocabulary is at least twice that (``head_rows_for``); an int keeps that many;
-        None the whole head."""
-        if rows == "auto":
-            if self.draft is None:
-                return None
-            return head_rows_for(self.tokenizer, model_vocab_size(self.draft))
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            msg = f"draft_head_rows must be 'auto', None or a positive int, got {rows!r}"
-            raise ValueError(msg)
-        return rows
 
     @classmethod
     def from_pretrained(
@@ -249,11 +236,9 @@ class SpecRuntime:
             policies=policies,
             device=loaded.device,
             draft_tokenizer=loaded.draft_tokenizer,
-            model_name=kwargs.pop("model_name", None)
-            or (loaded.target.name if is_engine_model(loaded.target) else Path(loaded.source).name),
+            model_name=kwargs.pop("model_name", None) or loaded.name,
             probe_store=kwargs.pop("probe_store", loaded.store),
-            draft_prefill=kwargs.pop("draft_prefill", loaded.draft_prefill),
-            **kwargs,
+            **{**loaded.runtime_options, **kwargs},
         )
         runtime.precision = loaded.precision
         runtime.engine_choice = loaded.engine
@@ -412,9 +397,9 @@ class SpecRuntime:
             return self._worker
 
     def _kv_budget(self) -> int | None:
-        """The KV positions the running calls may hold together (``engines.kv_budget``; the
+        """The KV positions the running calls may hold together (``EngineModel.kv_budget``; the
         smaller of target's and draft's)."""
-        budgets = [kv_budget(m) for m in (self.target, self.draft) if m is not None]
+        budgets = [m.kv_budget() for m in (self._target, self._draft) if m is not None]
         known = [b for b in budgets if b is not None]
         return min(known) if known else None
 
@@ -659,15 +644,16 @@ class SpecRuntime:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
-def _placed(model: Any, device: torch.device) -> Any:
-    """A transformers model moved to ``device`` in eval mode; another engine's model as it is
-    (it runs where it was loaded)."""
-    if is_engine_model(model):
-        if device.type != "cpu":
-            msg = f"the {model.engine} engine runs on the CPU here, not on {device}"
-            raise ValueError(msg)
-        return model
-    return model.to(device).eval()
+def _eos_token_ids(model: EngineModel, tokenizer: Any | None) -> list[int]:
+    """Tokens that end a call: the model's own (its generation config, the GGUF's) and the
+    tokenizer's."""
+    ids = list(model.eos_token_ids())
+    found = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(found, int):
+        ids.append(found)
+    elif isinstance(found, (list, tuple)):
+        ids.extend(int(x) for x in found)
+    return sorted(set(ids))
 
 
 def _refuse_early_exit(policies: Any, has_draft: bool, engine: str) -> None:
@@ -678,20 +664,3 @@ def _refuse_early_exit(policies: Any, has_draft: bool, engine: str) -> None:
                 f"layers, which only the transformers engine can do (this runtime runs {engine})"
             )
             raise PolicyError(msg)
-
-
-def _model_device(model: Any) -> torch.device:
-    if is_engine_model(model):
-        return torch.device("cpu")
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def _model_name(model: Any) -> str:
-    if is_engine_model(model):
-        return str(model.name)
-    config = getattr(model, "config", None)
-    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
-    return Path(str(name)).name or type(model).__name__

@@ -18,10 +18,8 @@ from ..decoding.prefix import PrefixCache
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.stopping import StopStrings
-from ..engines import runner_for
-from ..engines.transformers import ModelRunner, PrefillTwin, early_exit_view
+from ..engines import EngineModel, RunnerNeeds
 from ..machine import ProbeStore
-from ..models import num_layers
 from ..policy import Policy
 from ._admission import Request, drafter_kind
 
@@ -33,8 +31,8 @@ class Engine:
 
     def __init__(
         self,
-        target: torch.nn.Module,
-        draft: torch.nn.Module | None,
+        target: EngineModel,
+        draft: EngineModel | None,
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int],
@@ -44,10 +42,7 @@ class Engine:
         longest: int,
         decode_text: Callable[[Sequence[int]], str],
         history: HistoryStore | None = None,
-        compile_steps: bool | None = None,
-        draft_prefill: PrefillTwin | None = None,
-        draft_head_rows: int | None = None,
-        kv_slots: bool = True,
+        tokenizer: Any | None = None,
     ) -> None:
         self.target = target
         self.vocab_size = vocab_size
@@ -57,29 +52,18 @@ class Engine:
         self.decode_text = decode_text
         self.history = history
         """Earlier calls' text, per scope key (``drafter.history``)."""
-        self.num_layers = num_layers(target)
+        self.num_layers = target.num_layers
         self.store = store
-        transformers_only: dict[str, Any] = {
-            "compile_steps": compile_steps,
-            "store": store,
-            "slots": kv_slots,
-        }
-        target_runner, target_choice = runner_for(target, **transformers_only)
+        needs = RunnerNeeds("target", None, self.eos_token_ids, tokenizer, store)
+        target_runner, target_choice = target.build_runner(needs)
         self.target_runner: Runner = target_runner
         self.draft_runner: Runner | None = None
         self.step_choices: dict[str, Any] = {"target": target_choice}
         if draft is not None:
-            draft_options = {
-                **transformers_only,
-                "prefill_twin": draft_prefill,
-                "head_rows": draft_head_rows,
-                "always": self.eos_token_ids,
-            }
-            self.draft_runner, self.step_choices["draft"] = runner_for(
-                draft, vocab_size, **draft_options
-            )
-        # Per model: whether few-token forwards run compiled (the transformers engine's
-        # ``compiled.StepChoice``; nothing where steps stay eager or another engine runs).
+            needs = dataclasses.replace(needs, role="draft", vocab_size=vocab_size)
+            self.draft_runner, self.step_choices["draft"] = draft.build_runner(needs)
+        # Per model: what its engine decided about its steps at load (the transformers
+        # engine's compiled steps; nothing where steps stay eager or the engine decides none).
         self.step_choices = {k: v for k, v in self.step_choices.items() if v is not None}
         self.shallow_runners: dict[int, Runner] = {}
         self.use_costs(CostBook(self.target_runner, longest, store))
@@ -110,12 +94,9 @@ class Engine:
 
     def shallow_runner(self, layers: int) -> Runner:
         """A runner over the target's first ``layers`` layers (early exit), made once."""
-        if not isinstance(self.target, torch.nn.Module):
-            msg = "early_exit drafting needs the transformers engine (it cuts the model's layers)"
-            raise ValueError(msg)
         if layers not in self.shallow_runners:
-            view = early_exit_view(self.target, layers)  # type: ignore[arg-type]
-            self.shallow_runners[layers] = ModelRunner(view, vocab_size=self.vocab_size)
+            runner = self.target.shallow_runner(layers, self.vocab_size)
+            self.shallow_runners[layers] = runner
         return self.shallow_runners[layers]
 
     def cost_runner(self, policy: Policy) -> Runner | None:

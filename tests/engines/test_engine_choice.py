@@ -7,7 +7,7 @@ import torch
 from tiny_gguf import make_qwen2, write_gguf
 
 from specagent import SpecRuntime
-from specagent.engines import choose_engine, is_engine_model
+from specagent.engines import EngineModel, choose_engine
 from specagent.errors import ModelLoadError
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -51,7 +51,7 @@ def test_from_pretrained_runs_a_local_gguf_on_llama_cpp(tokenizer, tmp_path, mon
     path = write_gguf(model, tokenizer, tmp_path / "tiny.gguf", extra=("<|endoftext|>",))
     runtime = SpecRuntime.from_pretrained(str(path), engine_options={"threads": 1})
     try:
-        assert is_engine_model(runtime.target)
+        assert isinstance(runtime.target, EngineModel)
         assert runtime.engine_choice["engine"] == "llama.cpp"
         assert runtime.precision["target"]["dtype"] == "gguf"
         assert runtime.model_name == "tiny"

@@ -19,6 +19,7 @@ from ...decoding.costs import SettlesNothing
 from ...decoding.engine import Tokens, align_vocab, cropped_length, token_list
 from ...errors import GenerationError, ModelLoadError
 from ...machine import ProbeStore
+from ..base import Capabilities, EngineModel, RunnerNeeds
 from .library import default_threads, library
 from .probe import FastPaths, Switch, choose_fast_paths
 
@@ -120,7 +121,7 @@ class LlamaSequence:
             context.released.append(self.seq_id)
 
 
-class LlamaCppModel:
+class LlamaCppModel(EngineModel):
     """A GGUF model loaded by llama.cpp with one shared context for the calls of a runtime.
 
     ``context_tokens`` sizes the shared KV pool (every live call and every kept prefix draws
@@ -144,6 +145,8 @@ class LlamaCppModel:
     ``True`` uses it unproven, ``False`` never. ``fast_paths`` says what was chosen and why."""
 
     engine = ENGINE
+    capabilities = Capabilities(shared_kv=True, devices=("cpu",))
+    device = torch.device("cpu")
 
     def __init__(
         self,
@@ -251,8 +254,20 @@ class LlamaCppModel:
             "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
         }
 
+    @property
+    def model(self) -> LlamaCppModel:
+        return self
+
     def runner(self, vocab_size: int | None = None) -> LlamaCppRunner:
         return LlamaCppRunner(self, vocab_size)
+
+    def build_runner(self, needs: RunnerNeeds) -> tuple[LlamaCppRunner, None]:
+        """Its runner (llama.cpp decides nothing about its steps that a runtime reports)."""
+        return self.runner(needs.vocab_size), None
+
+    def kv_budget(self) -> int:
+        """The pool's cells: every call and kept prefix on this model draws from them."""
+        return self.context_tokens
 
     # ------------------------------------------------------------------ sequences
 
@@ -442,6 +457,10 @@ class LlamaCppRunner(SettlesNothing):
         self.device = torch.device("cpu")
         self.private_tokens = private_tokens
         """Where > 0: each call's KV is a context of its own of this many positions."""
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
 
     def reproducible(self, tokens: int) -> LlamaCppRunner:
         """This runner for a call that must not depend on other calls (a reproducible

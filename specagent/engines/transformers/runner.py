@@ -39,6 +39,7 @@ from .attention import choose_attention, is_sdpa
 from .compiled import CompiledSlots, serial_forwards
 from .head import restricted_logits
 from .kernels import LinearPlan, PackedWeights, kernel_choice_steps
+from .keys import model_key
 from .quantized import Int8Linear
 from .slots import SlotBatch, SlotPool, SlotSequence, batch_mask, slot_shapes
 
@@ -188,15 +189,18 @@ class ModelRunner:
         return self._head_rows
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters its forwards read (an early-exit view: its layers only)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
     def settled(self) -> bool:
         """Whether the linear kernels are chosen (by ``tune`` or ``restore``) and fixed."""
         return self._settled
 
     def speed_key(self, *parts: object) -> str:
-        """The model's shape, dtype and device (``machine.model_key``: not its weights), and
+        """The model's shape, dtype and device (``keys.model_key``: not its weights), and
         what this runner fixed at load: a compiled step, a prefill twin, head rows."""
-        from ...machine import model_key
-
         own: list[object] = []
         if self.compiled is not None:
             own.append("compiled")

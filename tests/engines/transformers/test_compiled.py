@@ -26,7 +26,7 @@ from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner, PrefillTwin, build_runner
 from specagent.engines.transformers.attention import NAME
 from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
-from specagent.machine import model_key
+from specagent.engines.transformers.keys import model_key
 
 PROMPTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox"]
 VOCAB = 64

@@ -19,13 +19,13 @@ from specagent.decoding import acceptance
 from specagent.decoding.draft_model import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.keys import model_key
 from specagent.engines.transformers.quantized import (
     Int8Linear,
     has_int8_weights,
     int8_supported,
     quantize_linears,
 )
-from specagent.machine import model_key
 from specagent.models import model_vocab_size
 
 pytestmark = pytest.mark.skipif(
