@@ -1,40 +1,95 @@
 """The backend seam: what a front door (the LangChain adapter, the HTTP server, the bench, the
-evaluation) needs from an engine. ``SpecRuntime`` is one; another engine that runs the same
-policies (a remote replica, a different decoding library) can stand behind the same front doors
-by providing these few members."""
+evaluation) needs from whatever runs its calls. ``SpecRuntime`` is one; the Ray ingress's
+``RemoteBackend`` (replicas behind Ray Serve handles) is another; anything else that runs the
+same policies stands behind the same front doors by subclassing ``Backend``: ``stream`` is the
+one member it must write, the rest has defaults that say "not known here"."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .policy import PolicySet
+from .errors import GenerationError
+from .policy import Policy, PolicySet
 from .results import GenerationResult, StreamChunk
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+
+    from .chat import Prompt
+    from .decoding.tenants import Tenant
+    from .grammar import Constraint
 
 __all__ = ["Backend"]
 
+IDLE: dict[str, Any] = {"running": 0, "queued": 0, "measured": True, "closing": False}
+"""The activity of a backend that does not report one: it answers, so it is ready."""
 
-@runtime_checkable
-class Backend(Protocol):
-    """An engine behind specagent's policies.
 
-    ``stream(prompt, policy=..., tags=..., max_new_tokens=..., temperature=..., top_p=...,
-    top_k=..., stop=..., seed=..., timeout=..., tools=..., constraint=...)`` yields text chunks
-    and, last, a chunk with the ``GenerationResult``; closing the iterator early cancels the
-    call. Errors are ``specagent.errors`` exceptions (``PolicyNotFoundError``,
+class Backend(ABC):
+    """What runs calls under specagent's policies.
+
+    Errors are ``specagent.errors`` exceptions (``PolicyNotFoundError``,
     ``InvalidRequestError``, ``RuntimeOverloadedError``, ...)."""
 
     model_name: str
     policies: PolicySet
+    engine: str | None = None
+    """The engine that runs the forwards (None: not known here, e.g. remote replicas)."""
+    max_active: int | None = None
+    """Calls decoded at once (None: not known here); a key's default share of them is a
+    quarter."""
 
-    # Callables rather than methods: an engine's own keyword-only parameters (as
-    # ``SpecRuntime.stream`` has) then match the protocol for type checkers too.
+    @abstractmethod
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        policy: str | None = None,
+        tags: Sequence[str] = (),
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        timeout: float | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        constraint: Constraint | None = None,
+        tenant: str | Tenant | None = None,
+        parent_context: Context | None = None,
+        record: bool = True,
+    ) -> AsyncIterator[StreamChunk]:
+        """Text chunks as tokens are accepted and, last, a chunk with the
+        ``GenerationResult``; closing the iterator early cancels the call."""
+
+    async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        """A call run to the end (keywords as ``stream``)."""
+        async for chunk in self.stream(prompt, **kwargs):
+            if chunk.result is not None:
+                return chunk.result
+        raise GenerationError("the call ended without a result")
+
+    def describe(self, policy: Policy) -> dict[str, Any]:
+        """What runs ``policy`` here, for the dashboard: ``engine``, the target's ``dtype``,
+        the ``drafter`` (only what is known)."""
+        return {"engine": self.engine} if self.engine is not None else {}
+
+    async def report_activity(self) -> dict[str, Any]:
+        """Calls ``running`` and ``queued``, whether step costs are ``measured``, whether it is
+        ``closing`` (``/ready``, the dashboard)."""
+        return dict(IDLE)
+
     @property
-    def stream(self) -> Callable[..., AsyncIterator[StreamChunk]]: ...
+    def activity_gauge(self) -> Callable[[], Mapping[str, Any]] | None:
+        """The same, read without waiting (the metrics' gauge); None where it takes a wait."""
+        return None
 
-    @property
-    def generate(self) -> Callable[..., Awaitable[GenerationResult]]: ...
+    async def aclose(self, drain: bool = True) -> None:
+        """Stop taking calls (``drain``: let running ones finish). Nothing here."""
+        return None
 
-    async def aclose(self, drain: bool = True) -> None: ...
-
-    def close(self, drain: bool = True) -> None: ...
+    def close(self, drain: bool = True) -> None:
+        """``aclose`` from synchronous code. Nothing here."""
+        return None

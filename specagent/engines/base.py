@@ -75,6 +75,8 @@ class EngineModel(ABC):
     """Decoder layers (0 where unknown)."""
     weight_bytes: int
     device: torch.device
+    dtype: str | None = None
+    """What its weights are held in, where one dtype says it (None: the engine's own format)."""
 
     @property
     @abstractmethod
@@ -116,7 +118,7 @@ class EngineModel(ABC):
         """Where the model runs short of room for a new sequence, call ``evict`` (kept
         prefixes hold sequences; it frees the oldest and says whether it freed one). Nothing
         to do where sequences cost only memory."""
-        del evict
+        return None
 
 
 @dataclass

@@ -24,13 +24,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
 from opentelemetry import context as otel_context
 
+from ..backend import Backend
 from ..chat import Prompt
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
@@ -67,7 +68,7 @@ __all__ = ["PoliciesArg", "SpecRuntime"]
 log = logging.getLogger("specagent.runtime")
 
 
-class SpecRuntime:
+class SpecRuntime(Backend):
     """Speculative decoding on a local model, shared by many concurrent callers.
 
     Build it from models in memory (``SpecRuntime(target=..., draft=..., tokenizer=...)``) or with
@@ -128,7 +129,7 @@ class SpecRuntime:
         self.context_window = self._target.context_window
         eos = _eos_token_ids(self._target, tokenizer)
         self.model_name = model_name or self._target.name
-        self.max_active = max_active
+        self.max_active: int = max_active
         self.max_queue = max_queue
         self.batching = batching
         """Batch concurrent calls' draft and verification forwards, one forward per model per
@@ -322,6 +323,20 @@ class SpecRuntime:
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
         return drafter_kind(policy, self.draft is not None)
+
+    def describe(self, policy: Policy) -> dict[str, Any]:
+        """The engine, the target's dtype (as chosen at load, or the model's own) and the
+        drafter that run ``policy`` here."""
+        dtype = (self.precision.get("target") or {}).get("dtype") or self._target.dtype
+        described = {"engine": self.engine, "dtype": dtype, "drafter": self.drafter_kind(policy)}
+        return {k: v for k, v in described.items() if v is not None}
+
+    async def report_activity(self) -> dict[str, Any]:
+        return self.activity()
+
+    @property
+    def activity_gauge(self) -> Callable[[], Mapping[str, Any]]:
+        return self.activity
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -551,7 +566,7 @@ class SpecRuntime:
         call = self._start_span(request, parent_context, streaming)
         facts.trace_id = call.trace_id
         sink = AsyncSink()
-        job = Job(request, sink)
+        job = Job(request, sink, alone=request.reproducible)
         finished = False
         try:
             self._ensure_worker().submit(job)

@@ -111,6 +111,9 @@ class Job:
     """The validated call (``_admission.Request``)."""
     sink: AsyncSink
     cancelled: threading.Event = field(default_factory=threading.Event)
+    alone: bool = False
+    """Its forwards run alone, never batched, nor beside background measurements (a
+    reproducible call's: other calls' rows would change its rounding)."""
     steps: DecodeSteps | None = None
     pending: ForwardRequest | None = None
     """The forward (draft or target) this call waits for, batched with the other calls'."""
@@ -216,7 +219,7 @@ class Worker:
                         self.reserved += job.reserved
                         starting.append(job)
                 for job in starting:
-                    if self.background is not None and _reproducible(job):
+                    if self.background is not None and job.alone:
                         self.waiting.append(job)
                     else:
                         self._start(job)
@@ -285,7 +288,7 @@ class Worker:
                 self._finish(job)
             elif job.pending is not None:
                 # A reproducible call's forwards form a group of their own.
-                group = id(job) if _reproducible(job) else id(job.pending.runner)
+                group = id(job) if job.alone else id(job.pending.runner)
                 groups.setdefault(group, []).append(job)
         for jobs in groups.values():
             # A token tree's forward has a mask of its own: it runs alone.
@@ -350,10 +353,6 @@ class Worker:
             job.steps = None
         with contextlib.suppress(ValueError):
             self.active.remove(job)
-
-
-def _reproducible(job: Job) -> bool:
-    return bool(getattr(job.request, "reproducible", False))
 
 
 def as_generation_error(exc: BaseException) -> SpecAgentError:

@@ -19,7 +19,6 @@ itself is ``specagent.calls``.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 from typing import Any
 
@@ -40,7 +39,7 @@ from .limits import Limited, Limits
 from .metrics import HttpMetrics, observe_activity, observe_audit
 from .middleware import BodyLimit
 from .options import ServerOptions
-from .requests import authenticate, bearer, call_spec, default_per_key, parse_body
+from .requests import authenticate, bearer, call_spec, caller_of, default_per_key, parse_body
 from .streaming import chain, collect, first_chunk, sse, unless_disconnected
 from .wire import (
     completion,
@@ -72,7 +71,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
 
     audit = options.audit
     model_name = backend.model_name
-    engine_name = getattr(backend, "engine", None)
+    engine_name = backend.engine
 
     def ended(
         request: Request, status: int, result: Any = None, error_id: str | None = None
@@ -82,12 +81,11 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         row in the audit store (every call, ran or refused)."""
         if request.url.path != "/v1/chat/completions":
             return
-        key = getattr(request.state, "key", None)
+        caller = caller_of(request)
         if result is not None:
-            calls.record(CallRecord.of_result(result, status, key=key))
+            calls.record(CallRecord.of_result(result, status, key=caller.key))
         else:
-            policy = getattr(request.state, "policy", None)
-            calls.record(CallRecord(policy=policy, status=status, key=key))
+            calls.record(CallRecord(policy=caller.policy, status=status, key=caller.key))
         if audit is not None:
             audit.record(
                 _audit_row(request, status, result, error_id, backend, model_name, engine_name)
@@ -106,7 +104,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     async def ready(request: Request) -> Response:
         """Whether to route calls here (a load balancer asks without a key); the queue's
         figures only for a key that may use every policy."""
-        activity = await _activity(backend)
+        activity = await backend.report_activity()
         ok = not draining.on and not activity.get("closing", False) and activity["measured"]
         body: dict[str, Any] = {"ready": ok, "draining": draining.on}
         presented = keys.authenticate(bearer(request))
@@ -144,7 +142,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         if draining.on:
             raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
         key = authenticate(keys, request)
-        request.state.key = key.name
+        caller_of(request).key = key.name
         if options.audit_required and (audit is None or not audit.healthy):
             message = "the audit store cannot record calls now, and this server needs a record"
             raise ApiError(503, message, "unavailable", code="audit_unavailable")
@@ -239,13 +237,13 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 backend.policies,
                 may_use=key.may_use,
                 everything=everything,
-                describe=_describe(backend),
+                describe={p.name: backend.describe(p) for p in backend.policies},
                 key=key.name,
             )
             data["model"] = backend.model_name
-            data["engine"] = getattr(backend, "engine", None)
+            data["engine"] = backend.engine
             if everything:
-                data["activity"] = await _activity(backend)
+                data["activity"] = await backend.report_activity()
                 data["reports"] = list_reports(options.reports_dir)
                 if audit is not None:
                     data["audit"] = {
@@ -309,39 +307,10 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
         if audit is not None:
             observe_audit(options.meter_provider, audit)
-        if callable(getattr(backend, "activity", None)):
-            observe_activity(options.meter_provider, backend.activity)  # type: ignore[attr-defined]
+        gauge = backend.activity_gauge
+        if gauge is not None:
+            observe_activity(options.meter_provider, gauge)
     return app
-
-
-async def _activity(backend: Backend) -> dict[str, Any]:
-    """The backend's activity (a runtime's, or, on Ray, what its replicas report)."""
-    activity = getattr(backend, "activity", None)
-    if activity is None:  # another engine behind the seam: it answers, so it is ready
-        return {"running": 0, "queued": 0, "measured": True, "closing": False}
-    report = activity()
-    if inspect.isawaitable(report):
-        report = await report
-    return dict(report)
-
-
-def _describe(backend: Backend) -> dict[str, dict[str, Any]]:
-    """Per policy: the engine, the target's dtype and the drafter that run it (what a backend
-    that is a ``SpecRuntime`` says; nothing from another backend)."""
-    engine = getattr(backend, "engine", None)
-    precision = getattr(backend, "precision", None) or {}
-    dtype = (precision.get("target") or {}).get("dtype")
-    target: Any = getattr(backend, "target", None)
-    if dtype is None and hasattr(target, "parameters"):  # a model given as is: its own dtype
-        dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
-    drafter_kind = getattr(backend, "drafter_kind", None)
-    out: dict[str, dict[str, Any]] = {}
-    for policy in backend.policies:
-        described: dict[str, Any] = {"engine": engine, "dtype": dtype}
-        if drafter_kind is not None:
-            described["drafter"] = drafter_kind(policy)
-        out[policy.name] = {k: v for k, v in described.items() if v is not None}
-    return out
 
 
 def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[str, Any]:
@@ -369,7 +338,8 @@ def _audit_row(
     """A call's audit row as the server knows it (``specagent.audit.call_row``)."""
     from ..audit import call_row
 
-    policy = getattr(request.state, "policy", None)
+    caller = caller_of(request)
+    policy = caller.policy
     mode = None
     if policy is not None:
         with contextlib.suppress(Exception):
@@ -378,8 +348,8 @@ def _audit_row(
         front_door="server",
         status=status,
         result=result,
-        key_name=getattr(request.state, "key", None),
-        tenant=getattr(request.state, "tenant", None),
+        key_name=caller.key,
+        tenant=caller.tenant,
         policy=policy,
         mode=mode,
         engine=engine,

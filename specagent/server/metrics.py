@@ -7,7 +7,6 @@ registry, so two servers in one process (tests, side-by-side runs) never mix the
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,6 +15,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from .._version import __version__
+from .requests import CALLER, Caller
 
 __all__ = ["HttpMetrics", "observe_activity", "prometheus_metrics"]
 
@@ -100,19 +100,17 @@ class HttpMetrics:
                 "http.route": route,
                 "http.response.status_code": status,
             }
-            policy = (scope.get("state") or {}).get("policy")
-            if policy is not None:
-                attributes["specagent.policy"] = policy
+            caller: Caller | None = scope.get(CALLER)
+            if caller is not None and caller.policy is not None:
+                attributes["specagent.policy"] = caller.policy
             self.duration.record(time.perf_counter() - start, attributes)
 
 
-def observe_activity(meter_provider: Any, activity: Callable[[], Mapping[str, Any]]) -> bool:
+def observe_activity(meter_provider: Any, activity: Callable[[], Mapping[str, Any]]) -> None:
     """The gauge ``specagent.calls`` (``specagent.call.state``: ``running`` / ``queued``), read
-    from ``activity`` (a runtime's ``activity()``) whenever the metrics are collected: the
-    queue that the dashboard shows, for Prometheus. False where ``activity`` is asynchronous
-    (replicas on Ray report through ``/ready`` and the dashboard instead)."""
-    if inspect.iscoroutinefunction(activity):
-        return False
+    from ``activity`` (``Backend.activity_gauge``: a runtime's ``activity()``) whenever the
+    metrics are collected: the queue that the dashboard shows, for Prometheus. (Replicas on
+    Ray have no such gauge: they report through ``/ready`` and the dashboard.)"""
 
     def observe(_: CallbackOptions) -> list[Observation]:
         report = activity()
@@ -128,7 +126,6 @@ def observe_activity(meter_provider: Any, activity: Callable[[], Mapping[str, An
         unit="{call}",
         description="Calls the runtime is running and holding in its queue",
     )
-    return True
 
 
 def observe_audit(meter_provider: Any, audit: Any) -> None:

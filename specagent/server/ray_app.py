@@ -32,9 +32,10 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from ..backend import Backend
 from ..errors import GenerationError, SpecAgentError
 from ..policy import PolicySet, load_policies, shipped_policies
-from ..results import GenerationResult, StreamChunk
+from ..results import StreamChunk
 from .app import ServerOptions, create_app
 from .keys import KeyStore
 
@@ -151,13 +152,14 @@ def _cause(exc: BaseException) -> BaseException:
     return exc
 
 
-class RemoteBackend:
+class RemoteBackend(Backend):
     """A ``Backend`` whose calls run on ``SpecReplica`` groups through Ray Serve handles.
 
     The ingress resolves each call's policy (so that the key check, the group and the replica
     agree) and sends it to the group that policy is pinned to. A replica that dies before the
     first token surfaces as ``GenerationError`` (the call layer retries it on another replica);
-    after the first token, as an error event in the stream."""
+    after the first token, as an error event in the stream. The replicas belong to Ray Serve:
+    closing this closes nothing."""
 
     def __init__(
         self,
@@ -199,13 +201,7 @@ class RemoteBackend:
             if not finished:
                 response.cancel()
 
-    async def generate(self, prompt: Any, **kwargs: Any) -> GenerationResult:
-        async for chunk in self.stream(prompt, **kwargs):
-            if chunk.result is not None:
-                return chunk.result
-        raise GenerationError("the replica ended the call without a result")
-
-    async def activity(self) -> dict[str, Any]:
+    async def report_activity(self) -> dict[str, Any]:
         """What ``/ready`` reports: one replica of every group asked (running and queued
         summed, measured only when all are); a group that does not answer is not ready."""
         total: dict[str, Any] = {"running": 0, "queued": 0, "measured": True, "closing": False}
@@ -220,12 +216,6 @@ class RemoteBackend:
             total["measured"] = total["measured"] and bool(one.get("measured", False))
             total["closing"] = total["closing"] or bool(one.get("closing", False))
         return total
-
-    async def aclose(self, drain: bool = True) -> None:
-        """The replicas belong to Ray Serve; nothing to close here."""
-
-    def close(self, drain: bool = True) -> None:
-        """The replicas belong to Ray Serve; nothing to close here."""
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})  # light: no model

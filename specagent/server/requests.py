@@ -4,6 +4,7 @@ precedence, the key's allowances, the tenant), and a key's default share of the 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -22,15 +23,41 @@ __all__ = [
     "POLICY_HEADER",
     "POLICY_METADATA_KEY",
     "TAGS_METADATA_KEY",
+    "Caller",
     "authenticate",
     "bearer",
     "budget",
     "call_spec",
+    "caller_of",
     "default_per_key",
     "parse_body",
     "resolved_policy",
     "unavailable_policy",
 ]
+
+
+CALLER = "specagent.caller"
+"""Where a request's ``Caller`` is kept in its ASGI scope."""
+
+
+@dataclass
+class Caller:
+    """Who a chat request is from and what it asked for, as far as it got before it was
+    answered or refused (its dashboard count and audit row read it)."""
+
+    key: str | None = None
+    """The API key's name, once authenticated."""
+    policy: str | None = None
+    """The policy it runs under, once resolved and allowed for the key."""
+    tenant: str | None = None
+
+
+def caller_of(request: Request) -> Caller:
+    """The request's ``Caller``, kept in its ASGI scope (every middleware and handler of the
+    request sees the same one)."""
+    caller: Caller = request.scope.setdefault(CALLER, Caller())
+    return caller
+
 
 POLICY_HEADER = "x-specagent-policy"
 POLICY_METADATA_KEY = "specagent_policy"
@@ -87,7 +114,7 @@ def call_spec(
         tenant = Tenant(key.name, body.user or None)
     except ValueError as exc:
         raise ApiError(422, f"user: {exc}", "invalid_request_error", param="user") from None
-    request.state.tenant = str(tenant)
+    caller_of(request).tenant = str(tenant)
     try:
         call = CallSpec.build(
             to_template_messages(body.messages),
@@ -113,7 +140,7 @@ def call_spec(
         # The same answer as for a policy that does not exist: a restricted key learns no
         # policy names beyond its own.
         raise unavailable_policy(backend, call.policy or chosen, key)
-    request.state.policy = chosen  # from here on its refusals count under it
+    caller_of(request).policy = chosen  # from here on its refusals count under it
     # The server records its calls in the audit store itself (with their HTTP status and
     # key): the runtime does not record them again.
     return dataclasses.replace(call, options={**call.options, "record": False})
@@ -126,8 +153,8 @@ DEFAULT_SHARE = 4
 def default_per_key(backend: Backend) -> int:
     """Calls in flight a key may hold when neither it nor the server says: a share of the
     backend's decoding slots (16 where it does not say how many it has)."""
-    slots = getattr(backend, "max_active", None)
-    return max(1, slots // DEFAULT_SHARE) if isinstance(slots, int) else 16
+    slots = backend.max_active
+    return max(1, slots // DEFAULT_SHARE) if slots is not None else 16
 
 
 def budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:

@@ -222,7 +222,7 @@ async def test_run_call_forces_and_parses_a_tool_call(target, tokenizer) -> None
 # --------------------------------------------------------------------------- the backend seam
 
 
-class _Relay:
+class _Relay(Backend):
     """Another backend in front of a runtime (as a remote replica would be): it satisfies the
     protocol without being a ``SpecRuntime`` and counts the calls it relays."""
 

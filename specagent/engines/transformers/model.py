@@ -59,10 +59,9 @@ class TransformersModel(EngineModel):
         self.context_window = context_window(module)  # type: ignore[arg-type]
         self.num_layers = num_layers(module)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        try:
-            self.device = next(module.parameters()).device
-        except StopIteration:
-            self.device = torch.device("cpu")
+        first = next(module.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.dtype = str(first.dtype).removeprefix("torch.") if first is not None else None
         config = getattr(module, "config", None)
         path = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "")
         self.name = Path(str(path)).name or type(module).__name__
