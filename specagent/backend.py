@@ -1,15 +1,17 @@
 """The backend seam: what a front door (the LangChain adapter, the HTTP server, the bench, the
 evaluation) needs from whatever runs its calls. ``SpecRuntime`` is one; the Ray ingress's
 ``RemoteBackend`` (replicas behind Ray Serve handles) is another; anything else that runs the
-same policies stands behind the same front doors by subclassing ``Backend``: ``stream`` is the
-one member it must write, the rest has defaults that say "not known here"."""
+same policies stands behind the same front doors by subclassing ``Backend``: ``run`` (one
+``Call``) is the one member it must write, the rest has defaults that say "not known here"."""
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .call import Call
 from .errors import GenerationError
 from .policy import Policy, PolicySet
 from .results import GenerationResult, StreamChunk
@@ -42,6 +44,12 @@ class Backend(ABC):
     quarter."""
 
     @abstractmethod
+    def run(self, call: Call, *, streaming: bool = True) -> AsyncGenerator[StreamChunk, None]:
+        """Run ``call``: text chunks as tokens are accepted, and last a chunk with the
+        ``GenerationResult``; closing the iterator early cancels the call. ``streaming``
+        says whether the caller reads chunks as they come (time to first chunk is reported
+        only then) or only the result."""
+
     def stream(
         self,
         prompt: Prompt,
@@ -60,15 +68,47 @@ class Backend(ABC):
         tenant: str | Tenant | None = None,
         parent_context: Context | None = None,
         record: bool = True,
-    ) -> AsyncIterator[StreamChunk]:
-        """Text chunks as tokens are accepted and, last, a chunk with the
-        ``GenerationResult``; closing the iterator early cancels the call."""
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
+
+        ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
+        ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
+        a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
+        is for (a string: a principal; a ``Tenant``: a principal and a sub-tenant under it): a
+        ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a call reuses
+        only its tenant's kept KV, and memory is accounted per principal.
+
+        ``record=False``: the runtime's audit store does not get this call's row (a front door
+        that records its calls itself, as the server does, passes it).
+
+        Closing the generator cancels the call. (``Call`` holds the same fields: ``run``
+        takes one built elsewhere.)"""
+        return self.run(
+            Call(
+                prompt,
+                policy=policy,
+                tags=tags,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop=stop,
+                seed=seed,
+                timeout=timeout,
+                tools=tools,
+                constraint=constraint,
+                tenant=tenant,
+                parent_context=parent_context,
+                record=record,
+            )
+        )
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
-        """A call run to the end (keywords as ``stream``)."""
-        async for chunk in self.stream(prompt, **kwargs):
-            if chunk.result is not None:
-                return chunk.result
+        """Run a call to the end. Keywords as ``stream``."""
+        async with contextlib.aclosing(self.run(Call(prompt, **kwargs), streaming=False)) as it:
+            async for chunk in it:
+                if chunk.result is not None:
+                    return chunk.result
         raise GenerationError("the call ended without a result")
 
     def describe(self, policy: Policy) -> dict[str, Any]:

@@ -15,12 +15,13 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from .backend import Backend
+from .call import Call
 from .chat import TOOL_CALL_MARKERS, ToolCall, parse_tool_calls
 from .decoding.tenants import Tenant
 from .errors import (
@@ -60,31 +61,31 @@ grammar, as under any constraint. ``CallSpec.build(answer_guard=False)`` turns i
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One validated call: what to send to ``Backend.stream`` and how to read its output."""
+    """One validated call: the ``Call`` a backend runs (``Backend.run``) and how to read its
+    output."""
 
-    messages: list[dict[str, Any]]
-    """Chat messages as a Hugging Face chat template takes them."""
-    policy: str | None = None
-    tags: tuple[str, ...] = ()
-    tenant: str | Tenant | None = None
-    """Who the call is for: history-drafting policies draft only from this tenant's text
-    (``decoding.tenants.Tenant``: a principal and a sub-tenant under it)."""
-    tools: list[dict[str, Any]] | None = None
-    """OpenAI function tools offered to the model (None when ``tool_choice`` is "none")."""
-    constraint: Constraint | None = None
+    call: Call
+    """The prompt (chat messages as a Hugging Face chat template takes them), the policy by
+    name or tags, the tenant, the offered tools, the grammar and the sampling fields."""
     forced_tool: bool = False
     """The grammar forces a tool call: the whole output is held back and parsed."""
     repeat_guard: bool = False
     """A reply that only repeats tool calls the conversation already made and answered (same
     tool, same arguments) is replaced by an answer from those results (``ANSWER_AFTER_TOOLS``,
     no tools): small models shown a tool result often call the same tool again, forever."""
-    stop: tuple[str, ...] = ()
-    options: Mapping[str, Any] = field(default_factory=dict)
-    """``temperature``, ``top_p``, ``max_new_tokens``, ``seed``, ``timeout`` when given."""
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return list(self.call.prompt)  # type: ignore[arg-type]  # built from messages
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        return [dict(t) for t in self.call.tools] if self.call.tools is not None else None
 
     @property
     def tool_names(self) -> list[str] | None:
-        return [t["function"]["name"] for t in self.tools] if self.tools else None
+        tools = self.call.tools
+        return [t["function"]["name"] for t in tools] if tools else None
 
     @classmethod
     def build(
@@ -133,42 +134,30 @@ class CallSpec:
         if choice == "none":
             offered = None
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        options = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "max_new_tokens": max_tokens,
-            "seed": seed,
-            "timeout": timeout,
-        }
         constraint = constraint_for(offered, choice, response_format)
         if constraint is None and not offered and answer_guard and _answers_tool_result(messages):
             constraint = ANSWER_AFTER_TOOLS
         if describe_format and response_format is not None:
             messages = _with_instruction(messages, format_instruction(response_format))
-        return cls(
-            messages=list(messages),
+        call = Call(
+            list(messages),
             policy=policy,
             tags=tuple(tags),
-            tenant=tenant,
+            max_new_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            stop=tuple(sorted(set(stops))) or None,
+            seed=seed,
+            timeout=timeout,
             tools=offered,
             constraint=constraint,
+            tenant=tenant,
+        )
+        return cls(
+            call,
             forced_tool=constraint is not None and offered is not None,
             repeat_guard=repeat_guard and offered is not None and constraint is None,
-            stop=tuple(sorted(set(stops))),
-            options={k: v for k, v in options.items() if v is not None},
         )
-
-    def stream_kwargs(self) -> dict[str, Any]:
-        """Keywords for ``Backend.stream`` (the prompt is ``messages``)."""
-        return {
-            "policy": self.policy,
-            "tags": list(self.tags),
-            "tenant": self.tenant,
-            "stop": list(self.stop) or None,
-            "tools": self.tools,
-            "constraint": self.constraint,
-            **self.options,
-        }
 
 
 def split_model(requested: str, served: str) -> str | None:
@@ -288,9 +277,10 @@ class CallChunk:
 
 
 async def run_call(
-    backend: Backend, call: CallSpec, max_retries: int = 2, allow_incomplete: bool = False
+    backend: Backend, spec: CallSpec, max_retries: int = 2, allow_incomplete: bool = False
 ) -> AsyncGenerator[CallChunk, None]:
-    """Run ``call`` on ``backend``: text chunks as they are safe to show, then the last chunk.
+    """Run ``spec``'s call on ``backend``: text chunks as they are safe to show, then the last
+    chunk.
 
     Retries (on overload or a failed decoding step) happen only before any output, so a stream
     never repeats itself. Text that may start a tool call is held back to the end; a constrained
@@ -301,16 +291,16 @@ async def run_call(
     while True:
         started = shown = repeated = False
         held: list[str] = []
-        holding = call.forced_tool
+        holding = spec.forced_tool
         try:
-            stream = backend.stream(call.messages, **call.stream_kwargs())
-            async with contextlib.aclosing(stream):  # type: ignore[type-var]  # closing cancels
+            stream = backend.run(spec.call)
+            async with contextlib.aclosing(stream):  # closing cancels
                 async for chunk in stream:
                     if chunk.result is None:
                         if not chunk.text:
                             continue
                         started = True
-                        if call.tools is not None and not holding:
+                        if spec.call.tools is not None and not holding:
                             holding = may_start_tool_call("".join(held) + chunk.text)
                         if holding:
                             held.append(chunk.text)
@@ -319,11 +309,11 @@ async def run_call(
                             yield CallChunk(text=chunk.text)
                         continue
                     content = "".join(held) + chunk.text
-                    last = _last_chunk(call, chunk.result, content, allow_incomplete)
+                    last = _last_chunk(spec, chunk.result, content, allow_incomplete)
                     repeated = (
-                        call.repeat_guard
+                        spec.repeat_guard
                         and not shown
-                        and repeats_answered_calls(call.messages, last.tool_calls)
+                        and repeats_answered_calls(spec.messages, last.tool_calls)
                     )
                     if not repeated:
                         yield last
@@ -338,18 +328,16 @@ async def run_call(
             continue
         # The reply only repeated answered calls (nothing of it was shown): answer from the
         # results instead, as with no tools bound.
-        answer = dataclasses.replace(
-            call, tools=None, constraint=ANSWER_AFTER_TOOLS, repeat_guard=False
-        )
+        answer = CallSpec(dataclasses.replace(spec.call, tools=None, constraint=ANSWER_AFTER_TOOLS))
         async for piece in run_call(backend, answer, max_retries, allow_incomplete):
             yield piece
         return
 
 
 def _last_chunk(
-    call: CallSpec, result: GenerationResult, content: str, allow_incomplete: bool = False
+    spec: CallSpec, result: GenerationResult, content: str, allow_incomplete: bool = False
 ) -> CallChunk:
-    structured = call.constraint not in (None, ANSWER_AFTER_TOOLS)  # prose may be cut anywhere
+    structured = spec.call.constraint not in (None, ANSWER_AFTER_TOOLS)  # prose: cut anywhere
     if structured and result.finish_reason == "length" and not allow_incomplete:
         msg = (
             f"the constrained output did not complete within {result.usage.output_tokens} "
@@ -357,8 +345,8 @@ def _last_chunk(
         )
         raise IncompleteOutputError(msg, output=result.text)
     tool_calls: tuple[ToolCall, ...] = ()
-    if call.tools is not None and content:
-        parsed = parse_tool_calls(content, call.tool_names or [])
+    if spec.call.tools is not None and content:
+        parsed = parse_tool_calls(content, spec.tool_names or [])
         if parsed.tool_calls:
             content, tool_calls = parsed.content, tuple(parsed.tool_calls)
     return CallChunk(

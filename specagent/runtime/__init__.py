@@ -17,9 +17,7 @@ that same core from synchronous code (``portal.iterate_sync``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import threading
@@ -32,14 +30,15 @@ import torch
 from opentelemetry import context as otel_context
 
 from ..backend import Backend
+from ..call import Call
 from ..chat import Prompt
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
-from ..decoding.tenants import Tenant, tenant_of
+from ..decoding.tenants import tenant_of
 from ..engines import EngineModel, engine_model, load_pair
 from ..errors import CallTimeoutError, GenerationError, InvalidRequestError, PolicyError
-from ..grammar import Constraint, prepare
+from ..grammar import prepare
 from ..machine import ProbeStore
 from ..models import check_draft_compatible, resolve_device
 from ..policy import Policy, default_policy
@@ -453,118 +452,39 @@ class SpecRuntime(Backend):
 
     # ------------------------------------------------------------------ the async core
 
-    def stream(
-        self,
-        prompt: Prompt,
-        *,
-        policy: str | None = None,
-        tags: Sequence[str] = (),
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        timeout: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        constraint: Constraint | None = None,
-        tenant: str | Tenant | None = None,
-        parent_context: otel_context.Context | None = None,
-        record: bool = True,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
+    def run(self, call: Call, *, streaming: bool = True) -> AsyncGenerator[StreamChunk, None]:
+        """Run ``call`` (``Backend.run``; ``stream`` and ``generate`` build one)."""
+        return self._run(call, streaming)
 
-        ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
-        ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
-        a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
-        is for (a string: a principal; a ``Tenant``: a principal and a sub-tenant under it): a
-        ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a call reuses
-        only its tenant's kept KV, and memory is accounted per principal.
-
-        ``record=False``: the runtime's audit store does not get this call's row (a front door
-        that records its calls itself, as the server does, passes it).
-
-        Closing the generator cancels the call."""
-        return self._run(
-            prompt,
-            True,
-            policy=policy,
-            tags=tags,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stop,
-            seed=seed,
-            timeout=timeout,
-            tools=tools,
-            constraint=constraint,
-            tenant=tenant,
-            parent_context=parent_context,
-            record=record,
-        )
-
-    async def _run(
-        self,
-        prompt: Prompt,
-        streaming: bool,
-        *,
-        record: bool = True,
-        policy: str | None = None,
-        tags: Sequence[str] = (),
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        timeout: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        constraint: Constraint | None = None,
-        tenant: str | Tenant | None = None,
-        parent_context: otel_context.Context | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
+    async def _run(self, call: Call, streaming: bool) -> AsyncGenerator[StreamChunk, None]:
         """``stream``'s work; ``streaming`` says whether the caller receives chunks as they
         come (the conventions report time to first chunk only then) or the whole result.
         ``record``: the runtime's audit store gets the call's row, however it ends."""
         # An absolute deadline, admission included, checked around each wait: a cancel scope
         # held across the ``yield``s below would fire inside the caller's own code.
+        timeout = call.timeout
         deadline = anyio.current_time() + timeout if timeout is not None else math.inf
-        facts = CallFacts(self.audit if record else None)
+        facts = CallFacts(self.audit if call.record else None)
         try:
             try:
-                who = tenant_of(tenant)
+                who = tenant_of(call.tenant)
             except ValueError as exc:
                 raise InvalidRequestError(str(exc)) from None
             facts.tenant = who
-            admit = functools.partial(
-                self._admission.request,
-                prompt,
-                policy,
-                tags,
-                max_new_tokens,
-                temperature,
-                top_p,
-                top_k,
-                stop,
-                seed,
-                tools,
-                constraint,
-                who,
-            )
+            admitted = dataclasses.replace(call, tenant=who)
             # Off the event loop (rendering a template, tokenizing a long prompt or compiling
             # a grammar must not pause every other call's stream on this loop), in the
             # principal's turn, within the call's deadline.
             request = facts.request = await self._gate.admit(
                 who.principal if who is not None else None,
-                lambda tokenizer: admit(tokenizer=tokenizer),
+                lambda tokenizer: self._admission.request(admitted, tokenizer=tokenizer),
                 timeout,
             )
         except BaseException as exc:
             self._record(facts, status_of(exc))
             raise
-        call = self._start_span(request, parent_context, streaming)
-        facts.trace_id = call.trace_id
+        span = self._start_span(request, call.parent_context, streaming)
+        facts.trace_id = span.trace_id
         sink = AsyncSink()
         job = Job(request, sink, alone=request.reproducible)
         finished = False
@@ -583,38 +503,30 @@ class SpecRuntime(Backend):
                     raise payload
                 if kind == "done":
                     last, result = assembler.finish(payload)
-                    result = facts.result = dataclasses.replace(result, trace_id=call.trace_id)
-                    self._telemetry.end_call(call, result)
+                    result = facts.result = dataclasses.replace(result, trace_id=span.trace_id)
+                    self._telemetry.end_call(span, result)
                     self._record(facts, "ok")
                     finished = True
                     yield dataclasses.replace(last, result=result)
                     return
                 chunk = assembler.chunk(payload)
                 if chunk is not None:
-                    self._telemetry.chunk(call)
+                    self._telemetry.chunk(span)
                     yield chunk
         except BaseException as exc:
-            self._telemetry.fail_call(call, exc)
+            self._telemetry.fail_call(span, exc)
             if not finished:
                 self._record(facts, status_of(exc))
             raise
         finally:
             job.cancelled.set()
             if not finished:
-                self._telemetry.fail_call(call, GeneratorExit("stream closed before it finished"))
+                self._telemetry.fail_call(span, GeneratorExit("stream closed before it finished"))
                 self._record(facts, "cancelled")
 
     def _record(self, facts: CallFacts, status: str) -> None:
         """The call's audit row, once (``facts.audit``: the store, None: not recorded here)."""
         record_call(facts, status, self.engine, self.model_name)
-
-    async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
-        """Run a call to the end. Keywords as ``stream``."""
-        async with contextlib.aclosing(self._run(prompt, False, **kwargs)) as chunks:
-            async for chunk in chunks:
-                if chunk.result is not None:
-                    return chunk.result
-        raise GenerationError("the call ended without a result")  # pragma: no cover
 
     # ------------------------------------------------------------------ the sync front door
 
@@ -622,7 +534,8 @@ class SpecRuntime(Backend):
         """Blocking ``generate`` for synchronous code (not from inside a running event loop)."""
         refuse_inside_event_loop("generate_sync", "runtime.generate")
         kwargs.setdefault("parent_context", otel_context.get_current())
-        for chunk in iterate_sync(lambda: self._run(prompt, False, **kwargs)):
+        call = Call(prompt, **kwargs)
+        for chunk in iterate_sync(lambda: self._run(call, False)):
             if chunk.result is not None:
                 return chunk.result
         raise GenerationError("the call ended without a result")  # pragma: no cover

@@ -5,19 +5,20 @@ constraint)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from ..call import Call
 from ..chat import Prompt, render_prompt
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
 from ..decoding.tenants import Tenant, tenant_of
 from ..errors import ContextLengthError, InvalidRequestError, PolicyError
-from ..grammar import Constraint, GrammarState, compile_constraint
+from ..grammar import GrammarState, compile_constraint
 from ..policy import Policy, PolicySet, load_policies
 from ..policy.loader import format_validation_error
 from ..policy.schema import SamplingConfig
@@ -62,55 +63,41 @@ class Admission:
     context_window: int | None
     eos_token_ids: tuple[int, ...]
 
-    def request(
-        self,
-        prompt: Prompt,
-        policy_name: str | None,
-        tags: Sequence[str],
-        max_new_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        stop: Sequence[str] | None,
-        seed: int | None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        constraint: Constraint | None = None,
-        tenant: str | Tenant | None = None,
-        tokenizer: Any = None,
-    ) -> Request:
+    def request(self, call: Call, tokenizer: Any = None) -> Request:
         """The validated call. ``tokenizer``: the one to use on this thread (an admission
         thread's own, ``_gate``; default the runtime's)."""
         tok = tokenizer if tokenizer is not None else self.tokenizer
-        if isinstance(tags, str):
-            tags = (tags,)
-        policy = self.policies.resolve(policy_name, tags)
+        policy = self.policies.resolve(call.policy, call.tags)
         try:
-            who = tenant_of(tenant)
+            who = tenant_of(call.tenant)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
         key = history_key(policy, who)
         overrides = {
             key: value
             for key, value in {
-                "max_new_tokens": max_new_tokens,
-                "temperature": temperature,
-                "top_p": top_p,
-                "top_k": top_k,
-                "stop": tuple(stop) if stop is not None else None,
-                "seed": seed,
+                "max_new_tokens": call.max_new_tokens,
+                "temperature": call.temperature,
+                "top_p": call.top_p,
+                "top_k": call.top_k,
+                "stop": call.stop,
+                "seed": call.seed,
             }.items()
             if value is not None
         }
-        if isinstance(stop, str):
-            overrides["stop"] = (stop,)
         try:
             sampling = SamplingConfig.model_validate({**policy.sampling.model_dump(), **overrides})
         except ValidationError as exc:
             raise InvalidRequestError(
                 f"invalid call parameters: {format_validation_error(exc)}"
             ) from exc
+        prompt = call.prompt
         prompt_ids = render_prompt(
-            prompt, tok, vocab_size=self.vocab_size, tools=tools, max_tokens=self.context_window
+            prompt,
+            tok,
+            vocab_size=self.vocab_size,
+            tools=call.tools,
+            max_tokens=self.context_window,
         )
         budget = sampling.max_new_tokens
         if self.context_window is not None:
@@ -133,10 +120,10 @@ class Admission:
         )
         call_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
         grammar = None
-        if constraint is not None:
+        if call.constraint is not None:
             # The runtime's own tokenizer: llguidance converts each tokenizer object once.
             grammar = compile_constraint(
-                constraint, self.tokenizer, self.vocab_size, self.eos_token_ids
+                call.constraint, self.tokenizer, self.vocab_size, self.eos_token_ids
             )
         return Request(
             prompt=prompt,

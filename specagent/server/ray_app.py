@@ -23,7 +23,7 @@ import hmac
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +33,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ..backend import Backend
+from ..call import Call
 from ..errors import GenerationError, SpecAgentError
 from ..policy import PolicySet, load_policies, shipped_policies
 from ..results import StreamChunk
@@ -122,13 +123,13 @@ class SpecReplica:
         ).start()
 
     async def stream(
-        self, prompt: Any, *, ingress_token: str = "", **kwargs: Any
-    ) -> AsyncIterator[StreamChunk]:
+        self, call: Call, *, streaming: bool = True, ingress_token: str = ""
+    ) -> AsyncGenerator[StreamChunk, None]:
         """A call from the ingress, which checked its key, limits and tenant: any other Ray
         client (without the token the application was built with) is refused."""
         if not hmac.compare_digest(ingress_token.encode(), self._token.encode()):
             raise PermissionError("a specagent replica takes calls from its ingress only")
-        async for chunk in self.runtime.stream(prompt, **kwargs):
+        async for chunk in self.runtime.run(call, streaming=streaming):
             yield chunk
 
     def activity(self) -> dict[str, Any]:
@@ -178,12 +179,14 @@ class RemoteBackend(Backend):
     def group_of(self, policy: str) -> str:
         return self._group_of.get(policy, DEFAULT_GROUP)
 
-    async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+    async def run(self, call: Call, *, streaming: bool = True) -> AsyncGenerator[StreamChunk, None]:
         # PolicyNotFoundError for an unknown name, as the runtime would raise it
-        policy = self.policies.resolve(kwargs.get("policy"), kwargs.get("tags") or ()).name
+        policy = self.policies.resolve(call.policy, call.tags).name
         handle = self._handles[self.group_of(policy)]
-        call = {**kwargs, "policy": policy, "ingress_token": self._token}
-        response = handle.options(stream=True).stream.remote(prompt, **call)
+        pinned = dataclasses.replace(call, policy=policy)
+        response = handle.options(stream=True).stream.remote(
+            pinned, streaming=streaming, ingress_token=self._token
+        )
         finished = False
         try:
             async for chunk in response:

@@ -10,6 +10,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from ..backend import Backend
+from ..call import Call
 from ..calls import CallSpec, split_model
 from ..decoding.tenants import Tenant
 from ..errors import ModelNotFoundError, PolicyNotFoundError
@@ -116,7 +117,7 @@ def call_spec(
         raise ApiError(422, f"user: {exc}", "invalid_request_error", param="user") from None
     caller_of(request).tenant = str(tenant)
     try:
-        call = CallSpec.build(
+        spec = CallSpec.build(
             to_template_messages(body.messages),
             backend=backend,
             policy=policy,
@@ -135,15 +136,17 @@ def call_spec(
         )
     except ValueError as exc:  # InvalidRequestError and message translation
         raise as_api_error(exc) from None
-    chosen = resolved_policy(backend, call, key)
+    chosen = resolved_policy(backend, spec.call, key)
     if not key.may_use(chosen):
         # The same answer as for a policy that does not exist: a restricted key learns no
         # policy names beyond its own.
-        raise unavailable_policy(backend, call.policy or chosen, key)
+        raise unavailable_policy(backend, spec.call.policy or chosen, key)
     caller_of(request).policy = chosen  # from here on its refusals count under it
-    # The server records its calls in the audit store itself (with their HTTP status and
-    # key): the runtime does not record them again.
-    return dataclasses.replace(call, options={**call.options, "record": False})
+    # The call runs under the policy resolved here (the backend looks it up by name). The
+    # server records its calls in the audit store itself (with their HTTP status and key):
+    # the runtime does not record them again.
+    call = dataclasses.replace(spec.call, policy=chosen, record=False)
+    return dataclasses.replace(spec, call=call)
 
 
 DEFAULT_SHARE = 4
@@ -169,7 +172,7 @@ def budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None
     return asked
 
 
-def resolved_policy(backend: Backend, call: CallSpec, key: ApiKey) -> str:
+def resolved_policy(backend: Backend, call: Call, key: ApiKey) -> str:
     """The policy the backend will run the call under (unknown names: 404, listing only the
     policies the key may use: a restricted key learns nothing of the others)."""
     try:

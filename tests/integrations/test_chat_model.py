@@ -220,12 +220,14 @@ def test_an_answer_to_a_tool_result_starts_as_prose(chat, runtime) -> None:
         ToolMessage('{"sum": 5}', tool_call_id="call_1"),
     ]
     guarded = CallSpec.build([to_chat_message(m) for m in history])
-    assert guarded.constraint is ANSWER_AFTER_TOOLS
-    assert CallSpec.build([to_chat_message(m) for m in history[:1]]).constraint is None
+    assert guarded.call.constraint is ANSWER_AFTER_TOOLS
+    assert CallSpec.build([to_chat_message(m) for m in history[:1]]).call.constraint is None
     offered = [convert_to_openai_tool(add)]
-    assert CallSpec.build([to_chat_message(m) for m in history], tools=offered).constraint is None
+    assert (
+        CallSpec.build([to_chat_message(m) for m in history], tools=offered).call.constraint is None
+    )
     unguarded = CallSpec.build([to_chat_message(m) for m in history], answer_guard=False)
-    assert unguarded.constraint is None
+    assert unguarded.call.constraint is None
     # a random tiny model starts with anything; under the guard never with markup or blanks,
     # and an answer cut by max_tokens is prose cut short, not an error
     free = ChatSpecAgent(runtime=runtime, policy="exact", guard_answers=False)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specagent import Backend, InvalidRequestError, Policy, SpecRuntime
+from specagent.call import Call
 from specagent.calls import CallSpec, constraint_for, run_call, tool_choice_name
 from specagent.decoding import costs as costs_module
 from specagent.decoding import registry
@@ -186,17 +187,17 @@ def test_call_spec_policy_precedence(target, draft, tokenizer) -> None:
     messages = [{"role": "user", "content": "hi"}]
 
     def policy(**kwargs: Any) -> str | None:
-        return CallSpec.build(messages, backend=runtime, **kwargs).policy
+        return CallSpec.build(messages, backend=runtime, **kwargs).call.policy
 
     assert policy(policy="lookup", default_policy="adaptive") == "lookup"  # named wins
     assert policy(tags=["extract"], default_policy="adaptive") == "lookup"  # tags route
     assert policy(tags=["other"], default_policy="adaptive") == "adaptive"  # else the default
     assert policy(tags=["extract"]) is None  # no default: the backend routes the tags itself
     spec = CallSpec.build(messages, tools=TOOLS, tool_choice="none", stop="END", seed=3)
-    assert spec.tools is None
-    assert spec.constraint is None
-    assert spec.stream_kwargs()["stop"] == ["END"]
-    assert spec.stream_kwargs()["seed"] == 3
+    assert spec.call.tools is None
+    assert spec.call.constraint is None
+    assert spec.call.stop == ("END",)
+    assert spec.call.seed == 3
     runtime.close()
 
 
@@ -232,13 +233,10 @@ class _Relay(Backend):
         self.policies = runtime.policies
         self.calls = 0
 
-    async def stream(self, prompt: Any, **kwargs: Any) -> AsyncIterator[StreamChunk]:
+    async def run(self, call: Call, *, streaming: bool = True) -> AsyncIterator[StreamChunk]:
         self.calls += 1
-        async for chunk in self.inner.stream(prompt, **kwargs):
+        async for chunk in self.inner.run(call, streaming=streaming):
             yield chunk
-
-    async def generate(self, prompt: Any, **kwargs: Any) -> Any:
-        return await self.inner.generate(prompt, **kwargs)
 
     async def aclose(self, drain: bool = True) -> None:
         await self.inner.aclose(drain)

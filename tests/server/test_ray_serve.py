@@ -20,6 +20,7 @@ from conftest import make_model, make_tokenizer
 from live_server import KEY_FILE, KEYS, free_port
 
 from specagent import SpecRuntime, shipped_policies
+from specagent.call import Call
 from specagent.server.ray_app import (
     build_app,
     conversation_key,
@@ -127,7 +128,8 @@ def test_replicas_take_calls_from_the_ingress_only(cluster: dict) -> None:
     handle = serve.get_deployment_handle("spec-default", app_name="specagent")
 
     async def direct(**extra):
-        response = handle.options(stream=True).stream.remote(PROMPTS[0], max_new_tokens=2, **extra)
+        call = Call(PROMPTS[0], max_new_tokens=2)
+        response = handle.options(stream=True).stream.remote(call, **extra)
         return [chunk async for chunk in response]
 
     for extra in ({}, {"ingress_token": "guessed"}):

@@ -434,7 +434,7 @@ class ChatSpecAgent(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         """Run one call (``specagent.calls.run_call``) and translate its chunks."""
         if options:
-            call = dataclasses.replace(call, options={**call.options, **options})
+            call = dataclasses.replace(call, call=dataclasses.replace(call.call, **options))
         try:
             async for chunk in run_call(self._runtime(), call, self.max_retries):
                 if chunk.result is None:
