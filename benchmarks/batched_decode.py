@@ -290,7 +290,7 @@ def main() -> None:
     }
     # The slots with compiled forwards, as on a machine that recorded them as faster (forced).
     recorded = ProbeStore(Path(tempfile.mkdtemp()))
-    key = runtimes["specagent_slots"]._engine.target_runner.speed_key()  # type: ignore[union-attr]
+    key = runtimes["specagent_slots"]._decoder.target_runner.speed_key()  # type: ignore[union-attr]
     recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})
     runtimes["specagent_slots_compiled"] = SpecRuntime(
         model, policies=[PLAIN], device="cpu", prefix_cache_tokens=0, probe_store=recorded

@@ -66,7 +66,7 @@ def main() -> None:
     # see what they would do end to end).
     recorded = ProbeStore(Path(tempfile.mkdtemp()))
     # (The eager runtime's runners name the keys the engine looks up for these models.)
-    for runner in (eager._engine.target_runner, eager._engine.draft_runner):
+    for runner in (eager._decoder.target_runner, eager._decoder.draft_runner):
         assert runner is not None
         key = runner.speed_key()
         recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})

@@ -49,7 +49,7 @@ def main() -> None:
         prefix_cache_tokens=0,
         compile_steps=False,
     )
-    runner = rt._engine.draft_runner
+    runner = rt._decoder.draft_runner
     assert runner is not None
     twin = runner.prefill_twin
     print("draft:", rt.precision.get("draft", {}).get("reason"), flush=True)

@@ -381,8 +381,8 @@ def streams(target: Any, device: torch.device, new: int, calls: int, repeats: in
     runtime.eos_token_ids = []  # random weights: every call runs to its length
     # A runtime as on a machine that recorded compiled forwards as faster (forced here).
     recorded = ProbeStore(Path(tempfile.mkdtemp()))
-    assert runtime._engine.target_runner is not None
-    key = runtime._engine.target_runner.speed_key()
+    assert runtime._decoder.target_runner is not None
+    key = runtime._decoder.target_runner.speed_key()
     recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})
     compiled = SpecRuntime(
         target,

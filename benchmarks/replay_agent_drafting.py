@@ -223,7 +223,7 @@ def replay_specagent(
 ) -> dict[str, list[Replayed]]:
     """Every episode through the decoding loop with the policy's real drafter and schedule,
     the oracle target, the runtime's draft model, history and measured costs."""
-    engine = runtime._engine
+    engine = runtime._decoder
     history = runtime.history
     draft = engine.draft_runner
     draft_widths: list[int] = []
@@ -374,7 +374,7 @@ def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
         engine=traces.get("engine", "transformers"),
     )
     runtime.wait_measured(timeout=3600)
-    verify = runtime._engine.costs.measured(None)
+    verify = runtime._decoder.costs.measured(None)
     results = {"hf_prompt_lookup": replay_hf_prompt_lookup(traces, verify)}
     for policy in [plain, *policies]:
         started = time.perf_counter()
@@ -382,12 +382,12 @@ def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
         print(f"replayed {policy.name} in {time.perf_counter() - started:.0f}s", flush=True)
     totals = report(results)
     if out is not None:
-        draft = runtime._engine.draft_runner
+        draft = runtime._decoder.draft_runner
         data = {
             "traces": str(path),
             "machine": machine_info(),
             "precision": dtypes_of(runtime),
-            "costs": dataclasses.asdict(runtime._engine.costs.measured(draft)),
+            "costs": dataclasses.asdict(runtime._decoder.costs.measured(draft)),
             "total_units": totals,
             "episodes": {
                 name: {e: [dataclasses.asdict(r) for r in rows] for e, rows in by_episode.items()}

@@ -134,7 +134,7 @@ def _engine_report(
     if at >= min(len(reference), len(output)):
         report.update(near_tie=False, lengths=[len(reference), len(output)])
         return report
-    runner = runtime._engine.target_runner
+    runner = runtime._decoder.target_runner
     path = runner.new_cache()
     own = runner.forward(prompt, path, keep=1)[-1]
     for token in reference[:at]:

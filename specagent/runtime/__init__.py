@@ -18,11 +18,8 @@ that same core from synchronous code (``portal.iterate_sync``).
 from __future__ import annotations
 
 import dataclasses
-import logging
-import math
 import threading
-import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -35,36 +32,32 @@ from ..chat import Prompt
 from ..decoding.costs import CostModel
 from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
-from ..decoding.tenants import tenant_of
 from ..engines import EngineModel, engine_model, load_pair
-from ..errors import CallTimeoutError, GenerationError, InvalidRequestError, PolicyError
-from ..grammar import prepare
+from ..errors import GenerationError
 from ..machine import ProbeStore
 from ..models import check_draft_compatible, resolve_device
 from ..policy import Policy, default_policy
 from ..results import GenerationResult, StreamChunk
-from ..telemetry import CallSpan, Telemetry
+from ..telemetry import Telemetry
 from ._admission import (
     Admission,
     PoliciesArg,
-    Request,
     check_policies_fit,
     coerce_policies,
     drafter_kind,
+    eos_token_ids,
 )
-from ._assembly import CallAssembler
-from ._audit import CallFacts, audit_store, record_call, status_of
-from ._engine import Engine
+from ._audit import audit_store
+from ._calls import CallPath
+from ._decoder import Decoder
 from ._gate import AdmissionGate
-from ._worker import AsyncSink, Job, Worker
+from ._worker import Worker
 from .portal import iterate_sync, refuse_inside_event_loop
 
 if TYPE_CHECKING:
     from ..audit import AuditStore
 
 __all__ = ["PoliciesArg", "SpecRuntime"]
-
-log = logging.getLogger("specagent.runtime")
 
 
 class SpecRuntime(Backend):
@@ -110,12 +103,7 @@ class SpecRuntime(Backend):
             "draft_prefill": draft_prefill,
             "draft_head_rows": draft_head_rows,
         }
-        loaded = engine_model(target, options)
-        self.device = resolve_device(device) if device is not None else loaded.device
-        self._target = loaded.placed(self.device)
-        self._draft: EngineModel | None = None
-        if draft is not None:
-            self._draft = engine_model(draft, options).placed(self.device)
+        self._target, self._draft, self.device = _placed(target, draft, device, options)
         self.target = self._target.model
         """The target as passed in or loaded (a torch module, a llama.cpp model)."""
         self.draft = self._draft.model if self._draft is not None else None
@@ -126,7 +114,7 @@ class SpecRuntime(Backend):
             )
         self.vocab_size = self._target.vocab_size
         self.context_window = self._target.context_window
-        eos = _eos_token_ids(self._target, tokenizer)
+        eos = eos_token_ids(self._target, tokenizer)
         self.model_name = model_name or self._target.name
         self.max_active: int = max_active
         self.max_queue = max_queue
@@ -141,43 +129,37 @@ class SpecRuntime(Backend):
         which optional fast paths each model runs with and why (``fast_paths``: a path that
         crashed or miscomputed in a child process at load stays off; ``engines.describe``
         words it)."""
-        check_policies_fit(self.policies, self.draft is not None, self._target.num_layers)
-        if not self._target.capabilities.early_exit:
-            _refuse_early_exit(self.policies, self.draft is not None, self.engine)
+        check_policies_fit(self.policies, self.draft is not None, self._target)
         self.audit = audit_store(audit)
         """Where every call's row goes (``specagent.audit``: a database URL or an
         ``AuditStore``; None: no audit): who called which policy, when, with what result and
         quality, never its text."""
-        self._gate = AdmissionGate(tokenizer, workers=admission_workers)
-        """Admissions fair across principals, each within its call's deadline (``_gate``)."""
-        self._admission = Admission(
-            self.policies,
-            tokenizer,
-            self.vocab_size,
-            self.context_window,
-            tuple(eos),
-        )
         self.precision: dict[str, Any] = {}
         """The dtype each model runs in and why (``from_pretrained``; empty for models passed
         in, which keep theirs)."""
         self.probe_store = probe_store
         """Where step costs and kernel choices measured on this machine are kept across runs
         (``from_pretrained``: the cache directory; None: measured once per runtime)."""
-        self._telemetry = Telemetry(self.model_name, tracer_provider, meter_provider)
+        self._calls = CallPath(
+            admission=Admission(
+                self.policies, tokenizer, self.vocab_size, self.context_window, tuple(eos)
+            ),
+            gate=AdmissionGate(tokenizer, workers=admission_workers),
+            telemetry=Telemetry(self.model_name, tracer_provider, meter_provider),
+            audit=self.audit,
+            worker=self._ensure_worker,
+            drafter_kind=self.drafter_kind,
+            decode_text=self._decode_text,
+            engine=self.engine,
+        )
         self._worker: Worker | None = None
         self._lock = threading.Lock()
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
-        for model in (self._target, self._draft):
-            if self.prefix_cache is not None and model is not None:
-                # Kept prefixes hold the engine's sequences: it frees one when it runs short.
-                model.add_evictor(self.prefix_cache.evict_oldest)
-        self._engine = Engine(
+        self._decoder = Decoder(
             self._target,
             self._draft,
-            vocab_size=self.vocab_size,
             eos_token_ids=eos,
-            context_window=self.context_window,
             prefixes=self.prefix_cache,
             store=probe_store,
             longest=max(p.drafter.num_speculative_tokens for p in self.policies) + 1,
@@ -190,7 +172,7 @@ class SpecRuntime(Backend):
     def draft_head_rows(self) -> int | None:
         """How many leading rows of the draft's LM head its logits are projected onto
         (``engines.transformers.head``; None: all of them, or no draft)."""
-        runner = self._engine.draft_runner
+        runner = self._decoder.draft_runner
         return runner.head_rows if runner is not None else None
 
     @classmethod
@@ -255,8 +237,8 @@ class SpecRuntime(Backend):
             "prefix_cache_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
             "history_tokens": self.history.max_tokens if self.history else 0,
             "batching": self.batching,
-            "tracer_provider": self._telemetry.tracer_provider,
-            "meter_provider": self._telemetry.meter_provider,
+            "tracer_provider": self._calls.telemetry.tracer_provider,
+            "meter_provider": self._calls.telemetry.meter_provider,
             "probe_store": self.probe_store,
             "compile_steps": False,  # the shared runners keep this runtime's steps
             "audit": self.audit,
@@ -265,7 +247,7 @@ class SpecRuntime(Backend):
         other = SpecRuntime(
             self.target, self.draft, self.tokenizer, policies, self.device, **options
         )
-        other._engine.share(self._engine)
+        other._decoder.share(self._decoder)
         return other
 
     def step_costs(self, policy: Policy | str) -> CostModel:
@@ -274,7 +256,7 @@ class SpecRuntime(Backend):
         reached them, then kept)."""
         if isinstance(policy, str):
             policy = self.policies[policy]
-        return self._engine.costs.measured(self._engine.cost_runner(policy))
+        return self._decoder.costs.measured(self._decoder.cost_runner(policy))
 
     def planning_costs(self, policy: Policy | str) -> CostModel:
         """The step costs calls under ``policy`` plan with now: the measured ones, or a prior
@@ -282,7 +264,7 @@ class SpecRuntime(Backend):
         Measures nothing."""
         if isinstance(policy, str):
             policy = self.policies[policy]
-        return self._engine.costs.model(self._engine.cost_runner(policy))
+        return self._decoder.costs.model(self._decoder.cost_runner(policy))
 
     @property
     def tuning(self) -> dict[str, dict[str, Any]]:
@@ -290,25 +272,25 @@ class SpecRuntime(Backend):
         (the transformers engine: its linear-kernel plan, chosen by the first cost measurement
         on this machine and read back afterwards; llama.cpp settles nothing), as stored with
         the step costs."""
-        runners = {"target": self._engine.target_runner, "draft": self._engine.draft_runner}
+        runners = {"target": self._decoder.target_runner, "draft": self._decoder.draft_runner}
         return {role: dict(r.settings) for role, r in runners.items() if r is not None}
 
     @property
     def eos_token_ids(self) -> list[int]:
         """Tokens that end a call (the model's generation config and the tokenizer's); set it
         to change them for the calls that start afterwards."""
-        return self._engine.eos_token_ids
+        return self._decoder.eos_token_ids
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids: Sequence[int]) -> None:
-        self._engine.eos_token_ids = list(ids)
-        self._admission = dataclasses.replace(self._admission, eos_token_ids=tuple(ids))
+        self._decoder.eos_token_ids = list(ids)
+        self._calls.admission = dataclasses.replace(self._calls.admission, eos_token_ids=tuple(ids))
 
     @property
     def history(self) -> HistoryStore | None:
         """Earlier calls' text that ``suffix``/``auto`` policies draft from, per scope and
         tenant (``history_tokens`` bounds it; ``history.stats()`` says what it holds)."""
-        return self._engine.history
+        return self._decoder.history
 
     @property
     def compiled_steps(self) -> dict[str, dict[str, Any]]:
@@ -317,7 +299,7 @@ class SpecRuntime(Backend):
         Set by the ``compile_steps`` option: ``None`` (default) measures on CUDA and elsewhere
         reuses this machine's earlier decision, ``True`` measures where none is recorded, ``False``
         keeps eager steps (then this is empty)."""
-        return {role: choice.to_json() for role, choice in self._engine.step_choices.items()}
+        return {role: choice.to_json() for role, choice in self._decoder.step_choices.items()}
 
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
@@ -400,133 +382,21 @@ class SpecRuntime(Backend):
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive() or self._worker.stopping:
                 self._worker = Worker(
-                    lambda request: self._engine.decode(request, self.device),
+                    lambda request: self._decoder.decode(request, self.device),
                     max_active=self.max_active,
                     max_queue=self.max_queue,
                     batching=self.batching,
-                    background=self._background(),
-                    kv_budget=self._kv_budget(),
-                    need=self._kv_need,
+                    background=self._decoder.background(self.tokenizer, list(self.policies)),
+                    kv_budget=self._decoder.kv_budget(),
+                    need=self._decoder.kv_need,
                 )
             return self._worker
-
-    def _kv_budget(self) -> int | None:
-        """The KV positions the running calls may hold together (``EngineModel.kv_budget``; the
-        smaller of target's and draft's)."""
-        budgets = [m.kv_budget() for m in (self._target, self._draft) if m is not None]
-        known = [b for b in budgets if b is not None]
-        return min(known) if known else None
-
-    def _kv_need(self, request: Request) -> int:
-        """What a call may come to hold of the shared KV: its prompt, its new tokens and its
-        longest draft; nothing for a reproducible call, whose KV is its own."""
-        if request.reproducible:
-            return 0
-        return len(request.prompt_ids) + request.max_new_tokens + self._engine.costs.longest
-
-    def _background(self) -> Generator[None, None, None]:
-        """What the worker does between rounds from its start: the tokenizer's conversion for
-        constrained output (a slice of its own: it holds the GIL for about a second, better at
-        start than in the middle of other calls' streams), then the step costs."""
-        if self.tokenizer is not None:
-            prepare(self.tokenizer, self.vocab_size, self.eos_token_ids)
-            yield
-        measurement = self._engine.measurement(list(self.policies))
-        if measurement is None:
-            return
-        started, timings = time.perf_counter(), 0
-        for _ in measurement:  # each slice is one timed forward; none where all was stored
-            if timings == 0:
-                log.info(
-                    "measuring what drafting costs on this machine, in the background between "
-                    "calls (once per machine and model; calls plan with estimates meanwhile)"
-                )
-            timings += 1
-            yield
-        if timings:
-            log.info(
-                "step costs measured in %.0f s (%d timed forwards); kept for this machine",
-                time.perf_counter() - started,
-                timings,
-            )
 
     # ------------------------------------------------------------------ the async core
 
     def run(self, call: Call, *, streaming: bool = True) -> AsyncGenerator[StreamChunk, None]:
         """Run ``call`` (``Backend.run``; ``stream`` and ``generate`` build one)."""
-        return self._run(call, streaming)
-
-    async def _run(self, call: Call, streaming: bool) -> AsyncGenerator[StreamChunk, None]:
-        """``stream``'s work; ``streaming`` says whether the caller receives chunks as they
-        come (the conventions report time to first chunk only then) or the whole result.
-        ``record``: the runtime's audit store gets the call's row, however it ends."""
-        # An absolute deadline, admission included, checked around each wait: a cancel scope
-        # held across the ``yield``s below would fire inside the caller's own code.
-        timeout = call.timeout
-        deadline = anyio.current_time() + timeout if timeout is not None else math.inf
-        facts = CallFacts(self.audit if call.record else None)
-        try:
-            try:
-                who = tenant_of(call.tenant)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
-            facts.tenant = who
-            admitted = dataclasses.replace(call, tenant=who)
-            # Off the event loop (rendering a template, tokenizing a long prompt or compiling
-            # a grammar must not pause every other call's stream on this loop), in the
-            # principal's turn, within the call's deadline.
-            request = facts.request = await self._gate.admit(
-                who.principal if who is not None else None,
-                lambda tokenizer: self._admission.request(admitted, tokenizer=tokenizer),
-                timeout,
-            )
-        except BaseException as exc:
-            self._record(facts, status_of(exc))
-            raise
-        span = self._start_span(request, call.parent_context, streaming)
-        facts.trace_id = span.trace_id
-        sink = AsyncSink()
-        job = Job(request, sink, alone=request.reproducible)
-        finished = False
-        try:
-            self._ensure_worker().submit(job)
-            drafter = self.drafter_kind(request.policy)
-            assembler = CallAssembler(request, time.perf_counter(), self._decode_text, drafter)
-            while True:
-                got = None
-                with anyio.move_on_after(deadline - anyio.current_time()):
-                    got = await sink.get()
-                if got is None:
-                    raise CallTimeoutError(f"the call passed its deadline of {timeout} s")
-                kind, payload = got
-                if kind == "error":
-                    raise payload
-                if kind == "done":
-                    last, result = assembler.finish(payload)
-                    result = facts.result = dataclasses.replace(result, trace_id=span.trace_id)
-                    self._telemetry.end_call(span, result)
-                    self._record(facts, "ok")
-                    finished = True
-                    yield dataclasses.replace(last, result=result)
-                    return
-                chunk = assembler.chunk(payload)
-                if chunk is not None:
-                    self._telemetry.chunk(span)
-                    yield chunk
-        except BaseException as exc:
-            self._telemetry.fail_call(span, exc)
-            if not finished:
-                self._record(facts, status_of(exc))
-            raise
-        finally:
-            job.cancelled.set()
-            if not finished:
-                self._telemetry.fail_call(span, GeneratorExit("stream closed before it finished"))
-                self._record(facts, "cancelled")
-
-    def _record(self, facts: CallFacts, status: str) -> None:
-        """The call's audit row, once (``facts.audit``: the store, None: not recorded here)."""
-        record_call(facts, status, self.engine, self.model_name)
+        return self._calls.run(call, streaming)
 
     # ------------------------------------------------------------------ the sync front door
 
@@ -535,7 +405,7 @@ class SpecRuntime(Backend):
         refuse_inside_event_loop("generate_sync", "runtime.generate")
         kwargs.setdefault("parent_context", otel_context.get_current())
         call = Call(prompt, **kwargs)
-        for chunk in iterate_sync(lambda: self._run(call, False)):
+        for chunk in iterate_sync(lambda: self._calls.run(call, False)):
             if chunk.result is not None:
                 return chunk.result
         raise GenerationError("the call ended without a result")  # pragma: no cover
@@ -548,47 +418,18 @@ class SpecRuntime(Backend):
 
     # ------------------------------------------------------------------ internals
 
-    def _start_span(
-        self, request: Request, parent: otel_context.Context | None, streaming: bool
-    ) -> CallSpan:
-        policy = request.policy
-        return self._telemetry.start_call(
-            policy=policy.name,
-            mode=policy.mode,
-            drafter=self.drafter_kind(policy),
-            temperature=request.params.temperature,
-            top_p=request.params.top_p,
-            max_tokens=request.max_new_tokens,
-            seed=request.seed,
-            record_content=policy.telemetry.record_content,
-            prompt=request.prompt,
-            parent=parent,
-            streaming=streaming,
-        )
-
     def _decode_text(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
-def _eos_token_ids(model: EngineModel, tokenizer: Any | None) -> list[int]:
-    """Tokens that end a call: the model's own (its generation config, the GGUF's) and the
-    tokenizer's."""
-    ids = list(model.eos_token_ids())
-    found = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(found, int):
-        ids.append(found)
-    elif isinstance(found, (list, tuple)):
-        ids.extend(int(x) for x in found)
-    return sorted(set(ids))
-
-
-def _refuse_early_exit(policies: Any, has_draft: bool, engine: str) -> None:
-    for policy in policies:
-        if drafter_kind(policy, has_draft) == "early_exit":
-            msg = (
-                f"policy {policy.name!r}: field 'drafter.kind': early_exit cuts the target's "
-                f"layers, which only the transformers engine can do (this runtime runs {engine})"
-            )
-            raise PolicyError(msg)
+def _placed(
+    target: Any, draft: Any | None, device: str | torch.device | None, options: dict[str, Any]
+) -> tuple[EngineModel, EngineModel | None, torch.device]:
+    """The engines' views of target and draft (``engines.engine_model``), on ``device``
+    (default: where the target is)."""
+    loaded = engine_model(target, options)
+    where = resolve_device(device) if device is not None else loaded.device
+    placed = engine_model(draft, options).placed(where) if draft is not None else None
+    return loaded.placed(where), placed, where

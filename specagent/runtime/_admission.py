@@ -17,6 +17,7 @@ from ..chat import Prompt, render_prompt
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
 from ..decoding.tenants import Tenant, tenant_of
+from ..engines import EngineModel
 from ..errors import ContextLengthError, InvalidRequestError, PolicyError
 from ..grammar import GrammarState, compile_constraint
 from ..policy import Policy, PolicySet, load_policies
@@ -174,7 +175,7 @@ def drafter_kind(policy: Policy, has_draft_model: bool) -> str:
     return kind
 
 
-def check_policies_fit(policies: PolicySet, has_draft_model: bool, num_layers: int) -> None:
+def check_policies_fit(policies: PolicySet, has_draft_model: bool, target: EngineModel) -> None:
     """Refuse, when the runtime is built, a policy its models cannot run."""
     for policy in policies:
         kind = drafter_kind(policy, has_draft_model)
@@ -186,9 +187,28 @@ def check_policies_fit(policies: PolicySet, has_draft_model: bool, num_layers: i
                 "or use prompt_lookup / early_exit)"
             )
             raise PolicyError(msg)
-        problem = spec.check(policy.drafter, num_layers)
+        if kind == "early_exit" and not target.capabilities.early_exit:
+            msg = (
+                f"policy {policy.name!r}: field 'drafter.kind': early_exit cuts the target's "
+                f"layers, which only the transformers engine can do (this runtime runs "
+                f"{target.engine})"
+            )
+            raise PolicyError(msg)
+        problem = spec.check(policy.drafter, target.num_layers)
         if problem is not None:
             raise PolicyError(f"policy {policy.name!r}: {problem}")
+
+
+def eos_token_ids(model: EngineModel, tokenizer: Any | None) -> list[int]:
+    """Tokens that end a call: the model's own (its generation config, the GGUF's) and the
+    tokenizer's."""
+    ids = list(model.eos_token_ids())
+    found = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(found, int):
+        ids.append(found)
+    elif isinstance(found, (list, tuple)):
+        ids.extend(int(x) for x in found)
+    return sorted(set(ids))
 
 
 def coerce_policies(policies: PoliciesArg) -> PolicySet:

@@ -270,7 +270,7 @@ async def test_concurrent_calls_through_the_runtime_equal_plain_greedy(runtime, 
     assert runtime.engine == "llama.cpp"
     prompts = [f"{t} {t}" for t in TEXTS] * 3
     expected = {}
-    runner = runtime._engine.target_runner  # the engine's own plain greedy, written out
+    runner = runtime._decoder.target_runner  # the engine's own plain greedy, written out
     for text in set(prompts):
         expected[text] = _plain_greedy(runner, tokenizer.encode(text), 24)
     results: dict[int, list[int]] = {}
@@ -354,7 +354,7 @@ def test_runtimes_sharing_one_model_step_on_their_own_threads(gguf_file, tokeniz
     )
     second = first.with_policies([LOOKUP, PLAIN])
     try:
-        runner = first._engine.target_runner  # the engine's own plain greedy, written out
+        runner = first._decoder.target_runner  # the engine's own plain greedy, written out
         prompts = [f"{t} {t} {t}" for t in TEXTS]
         expected = {t: _plain_greedy(runner, tokenizer.encode(t), 16) for t in prompts}
         failures: list[BaseException] = []

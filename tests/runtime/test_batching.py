@@ -73,16 +73,16 @@ def runtime(target, draft, tokenizer):
 
 def _spy_batches(rt: SpecRuntime) -> list[int]:
     """Record the size of every batched verification (the real forward still runs). Spies and
-    planted faults here wrap the runtime's own runners and decode (``rt._engine``): no public
+    planted faults here wrap the runtime's own runners and decode (``rt._decoder``): no public
     hook counts a round's forwards, keeps its caches or makes one fail."""
     sizes: list[int] = []
-    real = rt._engine.target_runner.forward_batch
+    real = rt._decoder.target_runner.forward_batch
 
     def forward_batch(requests, keep=None):
         sizes.append(len(requests))
         return real(requests, keep)
 
-    rt._engine.target_runner.forward_batch = forward_batch  # type: ignore[method-assign]
+    rt._decoder.target_runner.forward_batch = forward_batch  # type: ignore[method-assign]
     return sizes
 
 
@@ -167,7 +167,7 @@ def _spy_caches(rt: SpecRuntime) -> tuple[list[int], list[weakref.ref]]:
             seen.add(id(cache))
             caches.append(weakref.ref(cache))
 
-    runners = [rt._engine.target_runner, rt._engine.draft_runner]
+    runners = [rt._decoder.target_runner, rt._decoder.draft_runner]
     for runner in runners:
         real_forward, real_batch = runner.forward, runner.forward_batch
 
@@ -244,7 +244,7 @@ async def test_an_error_in_a_batched_forward_is_retried_call_by_call(runtime) ->
     for call in calls:
         call = dict(call)
         alone.append((await runtime.generate(call.pop("prompt"), **call)).token_ids)
-    runner = runtime._engine.target_runner
+    runner = runtime._decoder.target_runner
     real_forward, real_batch = runner.forward, runner.forward_batch
     poisoned: list = []
     batches: list[int] = []
@@ -357,7 +357,7 @@ async def test_one_call_raising_anything_fails_that_call_only(runtime) -> None:
     injects one.)"""
     calls = _random_calls(4, seed=11)
     alone = [await _all_at_once(runtime, [call]) for call in calls]
-    real = runtime._engine.decode
+    real = runtime._decoder.decode
 
     def decode(request, device):
         steps = real(request, device)
@@ -370,7 +370,7 @@ async def test_one_call_raising_anything_fails_that_call_only(runtime) -> None:
 
         return failing()
 
-    runtime._engine.decode = decode
+    runtime._decoder.decode = decode
     faulty = {"prompt": [9, 10, 11], "policy": MIXED[0].name, "max_new_tokens": 20, "seed": 666}
     failures: list[BaseException] = []
 

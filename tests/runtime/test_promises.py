@@ -100,9 +100,9 @@ async def _among_others(rt: SpecRuntime) -> list[int]:
 
 def _logits_of(rt: SpecRuntime, policy: str) -> list[list[torch.Tensor]]:
     """Every logits tensor each call under ``policy`` is sent, one list per call (through the
-    runtime's own decode, ``rt._engine``: no public hook shows a call's logits)."""
+    runtime's own decode, ``rt._decoder``: no public hook shows a call's logits)."""
     calls: list[list[torch.Tensor]] = []
-    decode = rt._engine.decode
+    decode = rt._decoder.decode
 
     def recorded(request, device):  # type: ignore[no-untyped-def]
         steps = decode(request, device)
@@ -111,7 +111,7 @@ def _logits_of(rt: SpecRuntime, policy: str) -> list[list[torch.Tensor]]:
         calls.append([])
         return _recording(steps, calls[-1])
 
-    rt._engine.decode = recorded  # type: ignore[method-assign]
+    rt._decoder.decode = recorded  # type: ignore[method-assign]
     return calls
 
 

@@ -64,16 +64,16 @@ async def with_others(rt: SpecRuntime) -> list[int]:
 
 def started_measured(rt: SpecRuntime) -> list[bool]:
     """Records, for every call the runtime starts decoding, whether its costs were measured
-    (through the runtime's own decode, ``rt._engine``: no public hook says when a call's
+    (through the runtime's own decode, ``rt._decoder``: no public hook says when a call's
     decoding starts)."""
     seen: list[bool] = []
-    decode = rt._engine.decode
+    decode = rt._decoder.decode
 
     def recorded(request, device):  # type: ignore[no-untyped-def]
         seen.append(rt.activity()["measured"])
         return decode(request, device)
 
-    rt._engine.decode = recorded  # type: ignore[method-assign]
+    rt._decoder.decode = recorded  # type: ignore[method-assign]
     return seen
 
 

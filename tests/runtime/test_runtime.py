@@ -334,13 +334,13 @@ def test_lossless_distribution_through_the_runtime() -> None:
     counts = np.zeros((STEPS, VOCAB))
 
     batch_sizes: list[int] = []
-    real_batch = rt._engine.target_runner.forward_batch
+    real_batch = rt._decoder.target_runner.forward_batch
 
     def spy(requests, keep=None):  # records what the worker batched; the real forward works
         batch_sizes.append(len(requests))
         return real_batch(requests, keep)
 
-    rt._engine.target_runner.forward_batch = spy  # type: ignore[method-assign]
+    rt._decoder.target_runner.forward_batch = spy  # type: ignore[method-assign]
 
     async def one(seed: int) -> None:
         r = await rt.generate(PROMPT, policy="p", temperature=1.0, max_new_tokens=STEPS, seed=seed)
@@ -423,7 +423,7 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
     )
     errors: list[BaseException] = []
     gate = threading.Event()  # holds every decoding step until the test has looked
-    real_decode = rt._engine.decode
+    real_decode = rt._decoder.decode
 
     def gated_decode(request, device):
         steps = real_decode(request, device)
@@ -436,7 +436,7 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
                 return
             reply = yield item
 
-    rt._engine.decode = gated_decode  # type: ignore[method-assign]
+    rt._decoder.decode = gated_decode  # type: ignore[method-assign]
 
     def long_call() -> None:
         try:
@@ -546,7 +546,7 @@ async def test_admission_never_pauses_the_event_loop(runtime) -> None:
     it off the event loop: a heartbeat on the loop keeps its pace, and the call answers."""
     import time
 
-    real = runtime._admission
+    real = runtime._calls.admission
 
     class Slow:
         def __getattr__(self, name):
@@ -556,7 +556,7 @@ async def test_admission_never_pauses_the_event_loop(runtime) -> None:
             time.sleep(0.6)
             return real.request(*args, **kwargs)
 
-    runtime._admission = Slow()
+    runtime._calls.admission = Slow()
     gaps: list[float] = []
     try:
 
@@ -574,7 +574,7 @@ async def test_admission_never_pauses_the_event_loop(runtime) -> None:
         assert result.token_ids
         assert max(gaps) < 0.4, gaps
     finally:
-        runtime._admission = real
+        runtime._calls.admission = real
 
 
 def test_calls_cancelled_in_the_queue_free_their_place() -> None:

@@ -445,7 +445,7 @@ def test_a_failing_call_answers_500_without_internal_text(live: Live) -> None:
     """The exception's text (here a path) stays in the server's log, under an id the error
     body gives; streamed or not. (Planted by wrapping the engine's decode: no public hook
     makes a call fail inside.)"""
-    engine = live.runtime._engine
+    engine = live.runtime._decoder
     real = engine.decode
 
     def decode(request, device):

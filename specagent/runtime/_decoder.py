@@ -1,10 +1,12 @@
-"""The runtime's decoding side: its models' runners, the step costs they plan with, and each
-call's decoding coroutine, assembled from ``decoding.registry``. Used on the worker thread (the
-cost book is thread-safe for ``step_costs`` from elsewhere)."""
+"""The runtime's decoding side (``Decoder``): its models' runners, the step costs they plan
+with, and each call's decoding coroutine, assembled from ``decoding.registry``. Used on the
+worker thread (the cost book is thread-safe for ``step_costs`` from elsewhere)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable, Generator, Hashable, Sequence
 from typing import Any
 
@@ -19,14 +21,17 @@ from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.stopping import StopStrings
 from ..engines import EngineModel, RunnerNeeds
+from ..grammar import prepare
 from ..machine import ProbeStore
 from ..policy import Policy
 from ._admission import Request, drafter_kind
 
-__all__ = ["Engine"]
+__all__ = ["Decoder"]
+
+log = logging.getLogger("specagent.runtime")
 
 
-class Engine:
+class Decoder:
     """Runners over the target (and draft), a ``CostBook`` and the calls' decoding coroutines."""
 
     def __init__(
@@ -34,9 +39,7 @@ class Engine:
         target: EngineModel,
         draft: EngineModel | None,
         *,
-        vocab_size: int,
         eos_token_ids: Sequence[int],
-        context_window: int | None,
         prefixes: PrefixCache | None,
         store: ProbeStore | None,
         longest: int,
@@ -45,10 +48,15 @@ class Engine:
         tokenizer: Any | None = None,
     ) -> None:
         self.target = target
-        self.vocab_size = vocab_size
+        self.draft = draft
+        self.vocab_size = vocab_size = target.vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.context_window = context_window
+        self.context_window = target.context_window
         self.prefixes = prefixes
+        for model in (target, draft):
+            if prefixes is not None and model is not None:
+                # Kept prefixes hold the engine's sequences: it frees one when it runs short.
+                model.add_evictor(prefixes.evict_oldest)
         self.decode_text = decode_text
         self.history = history
         """Earlier calls' text, per scope key (``drafter.history``)."""
@@ -68,9 +76,9 @@ class Engine:
         self.shallow_runners: dict[int, Runner] = {}
         self.use_costs(CostBook(self.target_runner, longest, store))
 
-    def share(self, other: Engine) -> None:
+    def share(self, other: Decoder) -> None:
         """Use ``other``'s runners (same models: kernels and caches of shapes are kept) and its
-        measured costs where they cover this engine's longest draft. The history is not shared:
+        measured costs where they cover this decoder's longest draft. The history is not shared:
         each runtime drafts only from the calls it served."""
         self.target_runner, self.draft_runner = other.target_runner, other.draft_runner
         self.shallow_runners = other.shallow_runners
@@ -123,6 +131,48 @@ class Engine:
             return self.costs.model(shared_draft if runner is draft else runner)
 
         return dataclasses.replace(parts, target=target, draft=draft, prefixes=None, costs=costs)
+
+    def kv_budget(self) -> int | None:
+        """The KV positions the running calls may hold together (``EngineModel.kv_budget``; the
+        smaller of target's and draft's)."""
+        budgets = [m.kv_budget() for m in (self.target, self.draft) if m is not None]
+        known = [b for b in budgets if b is not None]
+        return min(known) if known else None
+
+    def kv_need(self, request: Request) -> int:
+        """What a call may come to hold of the shared KV: its prompt, its new tokens and its
+        longest draft; nothing for a reproducible call, whose KV is its own."""
+        if request.reproducible:
+            return 0
+        return len(request.prompt_ids) + request.max_new_tokens + self.costs.longest
+
+    def background(
+        self, tokenizer: Any | None, policies: Sequence[Policy]
+    ) -> Generator[None, None, None]:
+        """What the worker does between rounds from its start: the tokenizer's conversion for
+        constrained output (a slice of its own: it holds the GIL for about a second, better at
+        start than in the middle of other calls' streams), then the step costs."""
+        if tokenizer is not None:
+            prepare(tokenizer, self.vocab_size, self.eos_token_ids)
+            yield
+        measurement = self.measurement(policies)
+        if measurement is None:
+            return
+        started, timings = time.perf_counter(), 0
+        for _ in measurement:  # each slice is one timed forward; none where all was stored
+            if timings == 0:
+                log.info(
+                    "measuring what drafting costs on this machine, in the background between "
+                    "calls (once per machine and model; calls plan with estimates meanwhile)"
+                )
+            timings += 1
+            yield
+        if timings:
+            log.info(
+                "step costs measured in %.0f s (%d timed forwards); kept for this machine",
+                time.perf_counter() - started,
+                timings,
+            )
 
     def decode(self, request: Request, device: torch.device) -> DecodeSteps:
         """The decoding coroutine of one call."""
