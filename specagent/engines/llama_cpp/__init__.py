@@ -24,8 +24,10 @@ the next call on the worker.
 """
 
 from .library import available, build_info, default_threads
-from .model import LlamaCppModel, LlamaCppRunner, LlamaSequence, check_vocabulary
+from .loading import check_vocabulary
+from .model import LlamaCppModel, LlamaCppRunner
 from .probe import FAST_PATHS, FastPaths, PathChoice
+from .sequences import LlamaSequence
 
 __all__ = [
     "FAST_PATHS",

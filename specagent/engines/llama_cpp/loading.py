@@ -13,9 +13,9 @@ from ...errors import ModelLoadError
 from ...machine import ProbeStore
 from ...models import load_tokenizer
 from ..base import Loaded
-from .model import LlamaCppModel, check_vocabulary
+from .model import LlamaCppModel
 
-__all__ = ["gguf_tokenizer", "load_pair"]
+__all__ = ["check_vocabulary", "gguf_tokenizer", "load_pair"]
 
 
 def load_pair(
@@ -82,3 +82,29 @@ def gguf_tokenizer(path: Path) -> Any:
     kept.parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(kept)
     return tokenizer
+
+
+def check_vocabulary(model: LlamaCppModel, tokenizer: Any) -> None:
+    """Raise ``ModelLoadError`` unless the tokenizer's ids mean what the GGUF's do: specagent
+    tokenizes with the transformers tokenizer (and its chat template) and llama.cpp only sees
+    ids, so one id must be one token text in both."""
+    size = len(tokenizer)
+    if size > model.vocab_size:
+        msg = (
+            f"{model.path.name}: the tokenizer has {size} tokens but the GGUF's vocabulary "
+            f"{model.vocab_size}; they are not the same model's"
+        )
+        raise ModelLoadError(msg)
+    texts = tokenizer.convert_ids_to_tokens(list(range(size)))
+    differing = [
+        (i, text, model.token_text(i))
+        for i, text in enumerate(texts)
+        if text is not None and text != model.token_text(i)
+    ]
+    if differing:
+        sample = ", ".join(f"{i}: {a!r} vs {b!r}" for i, a, b in differing[:3])
+        msg = (
+            f"{model.path.name}: the tokenizer and the GGUF's vocabulary differ on "
+            f"{len(differing)} of {size} ids (e.g. {sample}); load the tokenizer of this GGUF"
+        )
+        raise ModelLoadError(msg)
