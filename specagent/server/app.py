@@ -18,83 +18,82 @@ itself is ``specagent.calls``.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
 
 from ..backend import Backend
 from ..calls import run_call
-from ..errors import (
-    SpecAgentError,
-)
-from .dashboard import WINDOWS, CallLog, CallRecord, dashboard_page, list_reports, summarise
+from ..errors import SpecAgentError
+from .dashboard_routes import add_dashboard_routes
 from .errors import ApiError, as_api_error
 from .keys import KeyStore
-from .limits import Limited, Limits
+from .limits import Limited
 from .metrics import HttpMetrics, observe_activity, observe_audit
 from .middleware import BodyLimit
 from .options import ServerOptions
 from .requests import authenticate, bearer, call_spec, caller_of, default_per_key, parse_body
+from .served import Served
 from .streaming import chain, collect, first_chunk, sse, unless_disconnected
-from .wire import (
-    completion,
-    completion_id,
-)
+from .wire import completion, completion_id
 
 __all__ = ["ServerOptions", "create_app"]
-
-log = logging.getLogger("specagent.server")
-
-
-class _Draining:
-    def __init__(self) -> None:
-        self.on = False
 
 
 def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None = None) -> FastAPI:
     """The app serving ``backend``. It does not own the backend: whoever made it closes it
     (``specagent serve`` does, after draining)."""
     options = options or ServerOptions()
-    limits = Limits()
-    per_key = options.max_concurrent or default_per_key(backend)
-    draining = _Draining()
+    served = Served(backend, keys, options, options.max_concurrent or default_per_key(backend))
     app = FastAPI(title="specagent", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.backend, app.state.keys, app.state.limits = backend, keys, limits
-    app.state.draining = draining
-    calls = CallLog()
-    app.state.calls = calls
+    app.state.served, app.state.limits, app.state.drain = served, served.limits, served.drain
+    _add_errors(app, served)
+    _add_probes(app, served)
+    _add_chat(app, served)
+    if options.dashboard:
+        add_dashboard_routes(app, served)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=options.max_body_bytes,
+        refused=lambda request: served.ended(request, 413),
+    )
+    if options.meter_provider is not None:
+        app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
+        if options.audit is not None:
+            observe_audit(options.meter_provider, options.audit)
+        gauge = backend.activity_gauge
+        if gauge is not None:
+            observe_activity(options.meter_provider, gauge)
+    return app
 
-    audit = options.audit
-    model_name = backend.model_name
-    engine_name = backend.engine
 
-    def ended(
-        request: Request, status: int, result: Any = None, error_id: str | None = None
-    ) -> None:
-        """A chat call answered: counted on the dashboard under its key and its policy where
-        they were known and allowed (a refusal before that is filed under no policy), and its
-        row in the audit store (every call, ran or refused)."""
-        if request.url.path != "/v1/chat/completions":
-            return
-        caller = caller_of(request)
-        if result is not None:
-            calls.record(CallRecord.of_result(result, status, key=caller.key))
-        else:
-            calls.record(CallRecord(policy=caller.policy, status=status, key=caller.key))
-        if audit is not None:
-            audit.record(
-                _audit_row(request, status, result, error_id, backend, model_name, engine_name)
-            )
+def _add_errors(app: FastAPI, served: Served) -> None:
+    """Every error as OpenAI's error object, each chat call's counted and recorded."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        ended(request, exc.status, error_id=exc.error_id)
+        served.ended(request, exc.status, error_id=exc.error_id)
         return exc.response()
+
+    @app.exception_handler(SpecAgentError)
+    async def _spec_error(request: Request, exc: SpecAgentError) -> Response:
+        error = as_api_error(exc)
+        served.ended(request, error.status, error_id=error.error_id)
+        return error.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        error = as_api_error(exc)
+        served.ended(request, error.status, error_id=error.error_id)
+        return error.response()
+
+
+def _add_probes(app: FastAPI, served: Served) -> None:
+    """``/health``, ``/ready``, ``/metrics`` and ``/v1/models``."""
+    backend, keys, options = served.backend, served.keys, served.options
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -105,8 +104,9 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         """Whether to route calls here (a load balancer asks without a key); the queue's
         figures only for a key that may use every policy."""
         activity = await backend.report_activity()
-        ok = not draining.on and not activity.get("closing", False) and activity["measured"]
-        body: dict[str, Any] = {"ready": ok, "draining": draining.on}
+        draining = served.draining
+        ok = not draining and not activity.get("closing", False) and activity["measured"]
+        body: dict[str, Any] = {"ready": ok, "draining": draining}
         presented = keys.authenticate(bearer(request))
         if presented is not None and "*" in presented.policies and not keys.open:
             body.update(activity)
@@ -135,11 +135,17 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 entries.append(_model_entry(f"{name}:{policy.name}", policy.mode, name))
         return {"object": "list", "data": entries}
 
+
+def _add_chat(app: FastAPI, served: Served) -> None:
+    """``POST /v1/chat/completions``: the key, its limits, the body, the call, its answer."""
+    backend, keys, options, limits = served.backend, served.keys, served.options, served.limits
+    audit = options.audit
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         # In this order: draining, key, then the body (an unauthenticated caller learns nothing
         # about what a valid request looks like).
-        if draining.on:
+        if served.draining:
             raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
         key = authenticate(keys, request)
         caller_of(request).key = key.name
@@ -149,7 +155,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         # The key's limits before its body is read and parsed: a limited key's megabyte
         # costs nothing.
         try:
-            release = limits.acquire(key, default_concurrent=per_key)
+            release = limits.acquire(key, default_concurrent=served.per_key)
         except Limited as exc:
             raise ApiError(
                 429,
@@ -177,10 +183,10 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
                 with anyio.CancelScope(shield=True):
                     await chunks.aclose()
             if whole is None:  # the client went away: the call was cancelled, nobody reads this
-                ended(request, 499)
+                served.ended(request, 499)
                 return Response(status_code=499)
             if whole.result is not None:
-                ended(request, 200, whole.result)
+                served.ended(request, 200, whole.result)
             return JSONResponse(completion(request_id, model, whole))
         try:
             # Admission and the queue may take a while: a client that leaves meanwhile
@@ -194,7 +200,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             release()
             with anyio.CancelScope(shield=True):
                 await chunks.aclose()
-            ended(request, 499)
+            served.ended(request, 499)
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = sse(
@@ -203,114 +209,9 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
             chain(first, chunks),
             include_usage,
             release,
-            lambda status, result: ended(request, status, result),
+            lambda status, result: served.ended(request, status, result),
         )
         return EventSourceResponse(events, ping=15, send_timeout=30)
-
-    if options.dashboard:
-
-        @app.get("/dashboard")
-        async def dashboard() -> Response:
-            # The page holds no data: its script asks /dashboard/data with the key.
-            return HTMLResponse(
-                dashboard_page(),
-                headers={
-                    "Cache-Control": "no-store",
-                    "Content-Security-Policy": (
-                        "default-src 'none'; script-src 'unsafe-inline'; "
-                        "style-src 'unsafe-inline'; img-src data:; connect-src 'self'; "
-                        "frame-ancestors 'none'"
-                    ),
-                },
-            )
-
-        @app.get("/dashboard/data")
-        async def dashboard_data(request: Request, window: str = "5m") -> Response:
-            key = authenticate(keys, request)
-            if window not in WINDOWS:
-                message = f"window must be one of {list(WINDOWS)}, got {window!r}"
-                raise ApiError(422, message, "invalid_request_error", param="window")
-            everything = "*" in key.policies
-            data = summarise(
-                calls,
-                window,
-                backend.policies,
-                may_use=key.may_use,
-                everything=everything,
-                describe={p.name: backend.describe(p) for p in backend.policies},
-                key=key.name,
-            )
-            data["model"] = backend.model_name
-            data["engine"] = backend.engine
-            if everything:
-                data["activity"] = await backend.report_activity()
-                data["reports"] = list_reports(options.reports_dir)
-                if audit is not None:
-                    data["audit"] = {
-                        "healthy": audit.healthy,
-                        "buffered": audit.buffered,
-                        "written": audit.written,
-                        "dropped": audit.dropped,
-                    }
-            return JSONResponse(data, headers={"Cache-Control": "no-store"})
-
-        @app.get("/dashboard/reports/{name}")
-        async def dashboard_report(request: Request, name: str) -> Response:
-            key = authenticate(keys, request)
-            if "*" not in key.policies:
-                message = f"API key {key.name!r} may not read evaluation reports"
-                raise ApiError(403, message, "permission_error", code="reports_denied")
-            if name not in list_reports(options.reports_dir):  # never a path of the caller's
-                raise ApiError(404, f"no report {name!r}", "not_found_error")
-            assert options.reports_dir is not None
-            # A download, never a page of this origin: the report is a file somebody wrote,
-            # and this origin's pages hold API keys.
-            return Response(
-                (options.reports_dir / name).read_bytes(),
-                media_type="application/octet-stream",
-                headers={
-                    "Cache-Control": "no-store",
-                    "Content-Disposition": f'attachment; filename="{name}"',
-                    "Content-Security-Policy": "sandbox; default-src 'none'",
-                    "X-Content-Type-Options": "nosniff",
-                },
-            )
-
-    @app.exception_handler(SpecAgentError)
-    async def _spec_error(request: Request, exc: SpecAgentError) -> Response:
-        error = as_api_error(exc)
-        ended(request, error.status, error_id=error.error_id)
-        return error.response()
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        error = as_api_error(exc)
-        ended(request, error.status, error_id=error.error_id)
-        return error.response()
-
-    def drain() -> None:
-        """From now on new calls get 503; the calls in flight finish (whoever runs the app
-        waits for them)."""
-        draining.on = True
-        log.info(
-            "draining: new calls get 503; calls in flight, which finish first: %d",
-            limits.total_in_flight(),
-        )
-
-    app.state.drain = drain
-    app.add_middleware(
-        BodyLimit,
-        max_bytes=options.max_body_bytes,
-        refused=lambda request: ended(request, 413),
-    )
-    if options.meter_provider is not None:
-        app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
-        if audit is not None:
-            observe_audit(options.meter_provider, audit)
-        gauge = backend.activity_gauge
-        if gauge is not None:
-            observe_activity(options.meter_provider, gauge)
-    return app
 
 
 def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[str, Any]:
@@ -324,35 +225,3 @@ def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[st
         entry["specagent_mode"] = mode
         entry["parent"] = parent
     return entry
-
-
-def _audit_row(
-    request: Request,
-    status: int,
-    result: Any,
-    error_id: str | None,
-    backend: Backend,
-    model: str,
-    engine: str | None,
-) -> dict[str, Any]:
-    """A call's audit row as the server knows it (``specagent.audit.call_row``)."""
-    from ..audit import call_row
-
-    caller = caller_of(request)
-    policy = caller.policy
-    mode = None
-    if policy is not None:
-        with contextlib.suppress(Exception):
-            mode = backend.policies[policy].mode
-    return call_row(
-        front_door="server",
-        status=status,
-        result=result,
-        key_name=caller.key,
-        tenant=caller.tenant,
-        policy=policy,
-        mode=mode,
-        engine=engine,
-        model=model,
-        error_id=error_id,
-    )

@@ -305,15 +305,15 @@ def test_rate_limit_is_429_with_retry_after(live: Live) -> None:
 
 
 def test_draining_is_503_and_not_ready(live: Live) -> None:
-    draining = live.app.state.draining
-    draining.on = True
+    served = live.app.state.served
+    served.draining = True
     try:
         with pytest.raises(openai.InternalServerError) as refused:
             client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
         assert refused.value.status_code == 503
         assert httpx.get(f"{live.url}/ready").status_code == 503
     finally:
-        draining.on = False
+        served.draining = False
     assert httpx.get(f"{live.url}/health").json() == {"status": "ok"}
     live.runtime.wait_measured(60)
     ready = httpx.get(f"{live.url}/ready")

@@ -1,0 +1,86 @@
+"""What every route of the app shares (``Served``): the backend, the keys, the options, the
+limits, the drain switch and the call log, and how a chat call that was answered is counted
+and recorded (``ended``)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from ..backend import Backend
+from .dashboard import CallLog, CallRecord
+from .keys import KeyStore
+from .limits import Limits
+from .options import ServerOptions
+from .requests import caller_of
+
+__all__ = ["Served"]
+
+log = logging.getLogger("specagent.server")
+
+
+@dataclass
+class Served:
+    backend: Backend
+    keys: KeyStore
+    options: ServerOptions
+    per_key: int
+    """Calls in flight a key may hold where neither it nor the server says."""
+    limits: Limits = field(default_factory=Limits)
+    calls: CallLog = field(default_factory=CallLog)
+    draining: bool = False
+    """New calls get 503; the calls in flight finish."""
+
+    def ended(
+        self, request: Request, status: int, result: Any = None, error_id: str | None = None
+    ) -> None:
+        """A chat call answered: counted on the dashboard under its key and its policy where
+        they were known and allowed (a refusal before that is filed under no policy), and its
+        row in the audit store (every call, ran or refused)."""
+        if request.url.path != "/v1/chat/completions":
+            return
+        caller = caller_of(request)
+        if result is not None:
+            self.calls.record(CallRecord.of_result(result, status, key=caller.key))
+        else:
+            self.calls.record(CallRecord(policy=caller.policy, status=status, key=caller.key))
+        if self.options.audit is not None:
+            self.options.audit.record(self._audit_row(request, status, result, error_id))
+
+    def drain(self) -> None:
+        """From now on new calls get 503; the calls in flight finish (whoever runs the app
+        waits for them)."""
+        self.draining = True
+        log.info(
+            "draining: new calls get 503; calls in flight, which finish first: %d",
+            self.limits.total_in_flight(),
+        )
+
+    def _audit_row(
+        self, request: Request, status: int, result: Any, error_id: str | None
+    ) -> dict[str, Any]:
+        """A call's audit row as the server knows it (``specagent.audit.call_row``)."""
+        from ..audit import call_row
+
+        caller = caller_of(request)
+        policy = caller.policy
+        mode = None
+        if policy is not None:
+            with contextlib.suppress(Exception):
+                mode = self.backend.policies[policy].mode
+        return call_row(
+            front_door="server",
+            status=status,
+            result=result,
+            key_name=caller.key,
+            tenant=caller.tenant,
+            policy=policy,
+            mode=mode,
+            engine=self.backend.engine,
+            model=self.backend.model_name,
+            error_id=error_id,
+        )
