@@ -52,9 +52,9 @@ from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
 from specagent.decoding.loop import DecodeCounters, speculative_generate
 from specagent.decoding.prefix import PrefixCache
+from specagent.decoding.proposal import row_depths
 from specagent.decoding.registry import DRAFTERS
 from specagent.decoding.sampling import SamplingParams
-from specagent.decoding.tree import row_depths
 from specagent.evaluation.prompts import load_prompt_set
 from specagent.machine import machine_info
 

@@ -13,17 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from .costs import CostModel, expected_tokens, most_per_cost
-from .drafters import (
-    EMPTY,
-    Drafter,
-    Proposal,
-    StepwiseDrafter,
-    TokenConstraint,
-    lookup_continuation,
-)
+from .drafters import Drafter, StepwiseDrafter, lookup_continuation
 from .engine import ForwardRequest, Runner, Tokens, crop_to
 from .parts import Prefixes
 from .prefix import common_prefix_length, reuse_prefix
+from .proposal import EMPTY, Proposal, TokenConstraint
 from .sampling import SamplingParams, logits_to_probs, sample
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .vocab import CallVocabulary

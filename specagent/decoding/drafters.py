@@ -14,69 +14,28 @@ many of its tokens were accepted.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from .engine import ForwardRequest, advance
+from .proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
 
 if TYPE_CHECKING:
     from .parts import DrafterSettings, DraftingParts
-    from .tree import DraftTree
 
 __all__ = [
     "Drafter",
     "PromptLookupDrafter",
-    "Proposal",
     "StepwiseDrafter",
-    "TokenConstraint",
     "build_no_drafter",
     "build_prompt_lookup",
     "lookup_continuation",
     "run_inline",
 ]
 
-
-@dataclass(frozen=True)
-class Proposal:
-    """Draft tokens and, if the drafter samples, the distribution q of each ``[n, V]``.
-    ``probs is None`` means the tokens were proposed deterministically (q is one-hot).
-    Under a constraint, ``masks`` holds the allowed-token mask of each drafted position."""
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
-    masks: list[torch.Tensor] | None = None
-    source: str = "model"
-    """Where the tokens came from: ``model`` (a draft model or early exit), ``history`` (text
-    already written: this call's or earlier calls'), ``grammar`` (forced by a constraint)."""
-    tree: DraftTree | None = None
-    """Other drafts beside these tokens, all merged into one token tree (``tree.py``; its first
-    draft is this one) for the target to verify in one forward. The loop verifies ``tokens``
-    alone where a tree cannot be used (a constraint, grammar-forced tokens, a relaxed rule)."""
-
-
-class TokenConstraint(Protocol):
-    """A grammar's state over the output so far (see ``specagent.grammar.GrammarState``)."""
-
-    def allowed(self) -> torch.Tensor:
-        """Boolean mask ``[V]`` of the tokens allowed next."""
-        ...
-
-    def forced(self) -> list[int]:
-        """Tokens the grammar forces next (may be empty), not consumed."""
-        ...
-
-    def consume(self, tokens: Sequence[int]) -> None: ...
-
-    def rollback(self, num_tokens: int) -> None: ...
-
-    def is_stopped(self) -> bool: ...
-
-
-EMPTY = Proposal(tokens=[])
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .drafters import EMPTY, Drafter, Proposal, TokenConstraint, _admissible
+from .drafters import Drafter, _admissible
 from .engine import (
     ForwardRequest,
     KVSequence,
@@ -44,6 +44,7 @@ from .engine import (
 )
 from .parts import Prefixes
 from .prefix import reuse_prefix
+from .proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 from .tree import TreeVerdict, verify_tree
@@ -245,14 +246,7 @@ def speculative_steps(
                 target.forward(unfed, cache, keep=1)
                 unfed = _kept(prefixes, target, context, cache)
             # Several drafts in one forward (``tree.py``): the accepted path and one more token.
-            logits = yield ForwardRequest(
-                target, [context[-1], *tree.tokens], cache, tree=tree.row_parents()
-            )
-            if logits is None:
-                raise RuntimeError("a forward request must be answered with its logits")
-            probs = None if params.greedy else logits_to_probs(logits, params)
-            judged = verify_tree(tree, logits, params.greedy, probs, generator)
-            keep_path(cache, len(context) - 1, judged.path)
+            judged = yield from _tree_step(target, tree, context, cache, params, generator)
             counters.record_tree(len(tree), judged)
             schedule.observe(proposed, tree.accepted_of(0, judged.path))
             if drafter is not None:
@@ -285,23 +279,7 @@ def speculative_steps(
             rule = None
             counters.fell_back_to_lossless = True
 
-        finish: str | None = None
-        for i, token in enumerate(new):
-            if token in eos:
-                new, finish = new[:i], "stop"
-                break
-        new = new[: max_new_tokens - len(output)]
-        if constraint is not None:
-            new = _consume_until_complete(constraint, new)
-            if constraint.is_stopped():
-                finish = "stop"
-        output.extend(new)
-        context.extend(new)
-        if finish is None and stop_check is not None:
-            keep = stop_check(output)
-            if keep is not None:
-                del output[keep:]
-                finish = "stop"
+        new, finish = _emit(new, output, context, eos, max_new_tokens, constraint, stop_check)
         if finish is None and (len(output) >= max_new_tokens or len(context) >= limit):
             finish = "length"
         if finish is not None:
@@ -310,6 +288,59 @@ def speculative_steps(
             yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
             return
         yield DecodeEvent(new, counters)
+
+
+def _tree_step(
+    target: Runner,
+    tree: DraftTree,
+    context: list[int],
+    cache: KVSequence,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> Generator[ForwardRequest, torch.Tensor | None, TreeVerdict]:
+    """One forward over the last token and the tree's nodes (its mask and positions), the walk
+    down the tree, and the accepted path's KV kept (``engine.keep_path``)."""
+    logits = yield ForwardRequest(
+        target, [context[-1], *tree.tokens], cache, tree=tree.row_parents()
+    )
+    if logits is None:
+        raise RuntimeError("a forward request must be answered with its logits")
+    probs = None if params.greedy else logits_to_probs(logits, params)
+    judged = verify_tree(tree, logits, params.greedy, probs, generator)
+    keep_path(cache, len(context) - 1, judged.path)
+    return judged
+
+
+def _emit(
+    new: list[int],
+    output: list[int],
+    context: list[int],
+    eos: set[int],
+    max_new_tokens: int,
+    constraint: TokenConstraint | None,
+    stop_check: StopCheck | None,
+) -> tuple[list[int], str | None]:
+    """The step's tokens that the call emits, appended to ``output`` and ``context``, and why
+    the call stops there: ``"stop"`` at an end token, a complete grammar or a stop string (the
+    output cut before it), None to go on (the caller checks the length)."""
+    finish: str | None = None
+    for i, token in enumerate(new):
+        if token in eos:
+            new, finish = new[:i], "stop"
+            break
+    new = new[: max_new_tokens - len(output)]
+    if constraint is not None:
+        new = _consume_until_complete(constraint, new)
+        if constraint.is_stopped():
+            finish = "stop"
+    output.extend(new)
+    context.extend(new)
+    if finish is None and stop_check is not None:
+        keep = stop_check(output)
+        if keep is not None:
+            del output[keep:]
+            finish = "stop"
+    return new, finish
 
 
 def _kept(

@@ -22,19 +22,12 @@ import torch
 
 from .costs import CostModel, expected_tokens, most_per_cost
 from .draft_model import DraftModelDrafter, build_draft_model
-from .drafters import (
-    EMPTY,
-    Drafter,
-    Proposal,
-    StepwiseDrafter,
-    TokenConstraint,
-    _admissible,
-)
+from .drafters import Drafter, StepwiseDrafter, _admissible
 from .engine import ForwardRequest
 from .history import Continuation, SuffixIndex, continuation, runner_up
+from .proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from .sampling import SamplingParams
 from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
-from .tree import DraftTree
 
 if TYPE_CHECKING:
     from .parts import DrafterSettings, DraftingParts

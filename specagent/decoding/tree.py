@@ -25,81 +25,15 @@ choice, while there is one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .acceptance import residual_distribution
-from .drafters import Proposal
+from .proposal import DraftTree
 from .sampling import sample
 
-__all__ = ["DraftTree", "TreeVerdict", "row_depths", "tree_mask", "verify_tree"]
-
-
-@dataclass
-class DraftTree:
-    """Drafts of one step merged into a trie rooted at the step's first input (the context's
-    last token, row 0 of the forward). Node ``i`` is row ``i + 1``."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    """Each node's parent node (-1: the root); always an earlier node."""
-    tries: dict[int, list[tuple[int, torch.Tensor | None, str]]] = field(default_factory=dict)
-    """Per node (-1: the root), its children in the order they are tried, each with the q row
-    its token was drawn from (None: proposed deterministically) and its draft's source."""
-    chains: list[list[int]] = field(default_factory=list)
-    """Each draft as the nodes of its path, in the order the drafts were added."""
-    sources: list[str] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, proposals: list[Proposal]) -> DraftTree:
-        tree = cls()
-        for proposal in proposals:
-            tree.add(proposal)
-        return tree
-
-    def add(self, proposal: Proposal) -> int:
-        """Merge ``proposal`` (a draft from the root) into the trie; returns the nodes it added."""
-        before, node, path = len(self.tokens), -1, []
-        for depth, token in enumerate(proposal.tokens):
-            child = self._child(node, token)
-            if child is None:
-                child = len(self.tokens)
-                self.tokens.append(token)
-                self.parents.append(node)
-            q = proposal.probs[depth] if proposal.probs is not None else None
-            self.tries.setdefault(node, []).append((child, q, proposal.source))
-            path.append(child)
-            node = child
-        self.chains.append(path)
-        self.sources.append(proposal.source)
-        return len(self.tokens) - before
-
-    def _child(self, node: int, token: int) -> int | None:
-        for child, _, _ in self.tries.get(node, ()):
-            if self.tokens[child] == token:
-                return child
-        return None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def depths(self) -> list[int]:
-        """Each row's depth below the root (the root's is 0)."""
-        return row_depths(self.row_parents())
-
-    def row_parents(self) -> list[int]:
-        """Each forward row's parent row (-1 for the root row)."""
-        return [-1, *(parent + 1 for parent in self.parents)]
-
-    def accepted_of(self, chain: int, path: list[int]) -> int:
-        """How many of draft ``chain``'s tokens the accepted ``path`` (nodes) took."""
-        n = 0
-        for mine, taken in zip(self.chains[chain], path, strict=False):
-            if mine != taken:
-                break
-            n += 1
-        return n
+__all__ = ["TreeVerdict", "tree_mask", "verify_tree"]
 
 
 @dataclass(frozen=True)
@@ -115,14 +49,6 @@ class TreeVerdict:
     @property
     def num_accepted(self) -> int:
         return len(self.path)
-
-
-def row_depths(row_parents: list[int]) -> list[int]:
-    """Each row's depth below the root row (its position past the cache)."""
-    depths: list[int] = []
-    for parent in row_parents:
-        depths.append(depths[parent] + 1 if parent >= 0 else 0)
-    return depths
 
 
 def tree_mask(

@@ -34,7 +34,8 @@ from ...decoding.engine import (
     token_list,
     token_rows,
 )
-from ...decoding.tree import row_depths, tree_mask
+from ...decoding.proposal import row_depths
+from ...decoding.tree import tree_mask
 from .attention import choose_attention, is_sdpa
 from .compiled import CompiledSlots, serial_forwards
 from .head import restricted_logits
