@@ -30,7 +30,7 @@ from specagent import SpecRuntime
 from specagent.agent_bench import agent_policies
 from specagent.bench import baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 
 TOOL_NAMES = [
     "get_order", "cancel_order", "refund_order", "track_shipment", "update_address",

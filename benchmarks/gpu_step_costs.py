@@ -50,8 +50,7 @@ from batched_decode import PLAIN, specagent_seconds, transformers_seconds
 
 from specagent import SpecRuntime
 from specagent.decoding.costs import CostModel, expected_tokens, measure_costs
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.engine import crop_to
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator

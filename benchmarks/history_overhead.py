@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specagent.decoding.drafters import SuffixDrafter
 from specagent.decoding.history import HistoryStore
-from specagent.decoding.suffix import SuffixDrafter
 from specagent.machine import machine_info, machine_kind
 
 

@@ -13,8 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from specagent import InvalidRequestError, Policy, SpecRuntime
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, logits_to_probs, make_generator
 from specagent.decoding.schedule import FixedSchedule

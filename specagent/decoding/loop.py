@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .drafters import Drafter, _admissible
+from .drafters.base import Drafter, admissible
 from .engine import (
     ForwardRequest,
     KVSequence,
@@ -378,7 +378,7 @@ def _take_forced(constraint: TokenConstraint | None, limit: int) -> Proposal:
     tokens = constraint.forced()[:limit]
     if not tokens:
         return EMPTY
-    taken = _admissible(tokens, constraint)
+    taken = admissible(tokens, constraint)
     return Proposal(taken.tokens, masks=taken.masks, source="grammar")
 
 

@@ -1,23 +1,20 @@
 """The registry of drafters and relaxed acceptance rules: a name in a policy maps to how it is
-built. A new drafter is its own file (the drafter and a ``build`` function) plus one line in
-``DRAFTERS``; a new relaxed rule is its rule class and config model plus one line in ``RULES``.
-The policy schema, the runtime, the CLI and ``specagent tune`` read these tables and nothing
-else.
+built. A new drafter is its own module in ``drafters/`` (the drafter, its ``build`` function and
+its ``KIND``) plus one line in ``DRAFTERS``; a new relaxed rule is its rule class and config
+model plus one line in ``RULES``. The policy schema, the runtime, the CLI and ``specagent tune``
+read these tables and nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .acceptance import LenienceAcceptance, TopKAcceptance, TypicalAcceptance
-from .draft_model import build_draft_model, build_early_exit, check_early_exit, early_exit_layers
-from .drafters import Drafter, build_no_drafter, build_prompt_lookup
-from .engine import Runner
+from .drafters import auto, draft_model, early_exit, none, prompt_lookup, suffix
+from .drafters.base import DrafterKind
 from .parts import DrafterSettings, DraftingParts
-from .schedule import Schedule
-from .suffix import build_auto, build_suffix
 
 __all__ = [
     "DRAFTERS",
@@ -29,34 +26,13 @@ __all__ = [
 ]
 
 
-Build = Callable[[Any, DraftingParts], "tuple[Drafter | None, Schedule]"]
-
-
-@dataclass(frozen=True)
-class DrafterKind:
-    """One drafter: how a call's drafter and schedule are built from the policy's settings."""
-
-    build: Build
-    cost_runner: Callable[[Any, DraftingParts], Runner | None] = lambda config, parts: None
-    """The model whose forwards drafting costs (None: free; only verification is priced)."""
-    needs_draft_model: bool = False
-    check: Callable[[Any, int], str | None] = lambda config, num_layers: None
-    """A problem with the settings on a target of that many layers (None: fits)."""
-
-
 DRAFTERS: Mapping[str, DrafterKind] = {
-    "draft_model": DrafterKind(
-        build_draft_model, lambda config, parts: parts.draft, needs_draft_model=True
-    ),
-    "prompt_lookup": DrafterKind(build_prompt_lookup),
-    "early_exit": DrafterKind(
-        build_early_exit,
-        lambda config, parts: parts.shallow(early_exit_layers(config, parts.num_layers)),
-        check=check_early_exit,
-    ),
-    "suffix": DrafterKind(build_suffix),
-    "auto": DrafterKind(build_auto, lambda config, parts: parts.draft),
-    "none": DrafterKind(build_no_drafter),
+    "draft_model": draft_model.KIND,
+    "prompt_lookup": prompt_lookup.KIND,
+    "early_exit": early_exit.KIND,
+    "suffix": suffix.KIND,
+    "auto": auto.KIND,
+    "none": none.KIND,
 }
 
 

@@ -97,9 +97,10 @@ class DrafterConfig(_Strict):
         if self.min_ngram > self.max_ngram:
             msg = f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
             raise ValueError(msg)
-        if self.early_exit_layers is not None and "early_exit" not in (self.kind, self.fallback):
+        kinds = [DRAFTERS[k] for k in (self.kind, self.fallback) if k is not None]
+        if self.early_exit_layers is not None and not any(k.cuts_layers for k in kinds):
             raise ValueError("early_exit_layers applies only to kind (or fallback) early_exit")
-        if self.fallback is not None and self.kind != "draft_model":
+        if self.fallback is not None and not DRAFTERS[self.kind].needs_draft_model:
             raise ValueError("fallback applies only to kind: draft_model")
         return self
 
@@ -196,7 +197,8 @@ class Policy(_Strict):
             if acceptance is None:
                 raise ValueError("a relaxed policy needs an acceptance block with a rule")
             drafter = info.data.get("drafter")
-            if drafter is not None and "none" in (drafter.kind, drafter.fallback):
+            kinds = (drafter.kind, drafter.fallback) if drafter is not None else ()
+            if any(k is not None and not DRAFTERS[k].drafts for k in kinds):
                 raise ValueError(
                     "a relaxed policy needs a drafter, but drafter.kind (or fallback) is none"
                 )

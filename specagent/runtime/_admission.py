@@ -146,7 +146,7 @@ def history_key(policy: Policy, tenant: Tenant | None) -> tuple[Any, ...] | None
     of every key but the runtime-wide one, which refuses calls that name a tenant. A call with
     no tenant shares nothing under ``policy`` and ``tenant`` history: callers who are one
     party say so by naming a tenant (the runtime cannot tell two anonymous callers apart)."""
-    if policy.drafter.kind not in ("suffix", "auto"):
+    if not DRAFTERS[policy.drafter.kind].reads_history:
         return None
     scope = policy.drafter.history
     if scope in ("none", "call"):
@@ -187,11 +187,11 @@ def check_policies_fit(policies: PolicySet, has_draft_model: bool, target: Engin
                 "or use prompt_lookup / early_exit)"
             )
             raise PolicyError(msg)
-        if kind == "early_exit" and not target.capabilities.early_exit:
+        if spec.cuts_layers and not target.capabilities.early_exit:
             msg = (
-                f"policy {policy.name!r}: field 'drafter.kind': early_exit cuts the target's "
-                f"layers, which only the transformers engine can do (this runtime runs "
-                f"{target.engine})"
+                f"policy {policy.name!r}: field 'drafter.kind': {kind} cuts the target's "
+                "layers, which only an engine that declares early exit can do (the "
+                f"transformers engine; this runtime runs {target.engine})"
             )
             raise PolicyError(msg)
         problem = spec.check(policy.drafter, target.num_layers)

@@ -115,7 +115,7 @@ class Decoder:
     def measurement(self, policies: Sequence[Policy]) -> Generator[None, None, None] | None:
         """The background measurement of the costs the drafting policies plan with."""
         has_draft = self.draft_runner is not None
-        drafting = [p for p in policies if drafter_kind(p, has_draft) != "none"]
+        drafting = [p for p in policies if DRAFTERS[drafter_kind(p, has_draft)].drafts]
         if not drafting:
             return None
         return self.costs.measurement([self.cost_runner(p) for p in drafting])

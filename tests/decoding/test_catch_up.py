@@ -9,10 +9,9 @@ from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
 from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import AutoDrafter, DraftModelDrafter, SuffixDrafter
 from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
-from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
 from specagent.engines.transformers import ModelRunner
 
 # A draft step costs a fifth of a target step, each further token fed 0.05: a 200-token prompt

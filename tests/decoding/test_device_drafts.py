@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 
 from specagent.decoding.acceptance import TopKRule, verify_greedy, verify_lossless, verify_relaxed
 from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.engine import advance
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator

@@ -12,8 +12,7 @@ import torch
 from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.prefix import PrefixCache
 from specagent.engines.transformers import ALONE_ROWS, ModelRunner
 

@@ -9,8 +9,7 @@ from conftest import hf_greedy, make_model
 from transformers import LlamaForCausalLM
 
 from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter, EarlyExitDrafter
-from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule

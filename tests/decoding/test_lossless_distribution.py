@@ -11,8 +11,7 @@ from distributions import chi_square_pvalues, exact_marginals, sample_counts
 
 from specagent.decoding import acceptance
 from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.sampling import SamplingParams
 
 

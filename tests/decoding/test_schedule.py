@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specagent.decoding.costs import CostModel, interpolate_costs
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.schedule import AdaptiveSchedule
 from specagent.engines.transformers import ModelRunner

@@ -17,15 +17,13 @@ from test_history import HISTORY, _history_drafter
 from specagent.decoding import tree as tree_module
 from specagent.decoding.acceptance import TopKRule
 from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import Drafter
+from specagent.decoding.drafters import AutoDrafter, Drafter, DraftModelDrafter, SuffixDrafter
 from specagent.decoding.engine import keep_path
 from specagent.decoding.history import SuffixIndex, continuation, runner_up
 from specagent.decoding.loop import DecodeEvent, speculative_generate
 from specagent.decoding.proposal import DraftTree, Proposal, TokenConstraint
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
-from specagent.decoding.suffix import AutoDrafter, SuffixDrafter
 from specagent.decoding.tree import tree_mask, verify_tree
 from specagent.engines.transformers import ModelRunner
 

@@ -16,8 +16,7 @@ from conftest import PinnedCosts
 from tiny_gguf import make_qwen2, write_gguf
 
 from specagent import SpecRuntime
-from specagent.decoding.draft_model import DraftModelDrafter
-from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import FixedSchedule

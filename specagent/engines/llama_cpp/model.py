@@ -39,7 +39,7 @@ class LlamaCppModel(EngineModel):
     defaults to the CPUs this process may use; ``batch_tokens`` is the most tokens one
     ``llama_decode`` takes (longer forwards are split); ``call_share`` is the most of the pool
     one call may hold (its prompt and output: the runtime refuses longer calls, and starts a
-    call only when what it may hold fits beside the running calls', ``engines.kv_budget``).
+    call only when what it may hold fits beside the running calls', ``kv_budget``).
 
     A call whose forwards must not depend on what else the pool holds (a reproducible policy's)
     gets a context of its own (``private_sequence``): in the shared pool a call's cells land

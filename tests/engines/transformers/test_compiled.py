@@ -19,7 +19,7 @@ from conftest import MemoryStore, hf_greedy, make_model, ragged_rounds
 from specagent import Policy, SpecRuntime
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule

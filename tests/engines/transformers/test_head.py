@@ -14,7 +14,7 @@ from distributions import chi_square_pvalues, exact_marginals, sample_counts
 from torch import nn
 
 from specagent import SpecRuntime
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.vocab import CallVocabulary
 from specagent.engines.transformers import ModelRunner

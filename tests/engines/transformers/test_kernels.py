@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specagent.decoding.costs import measure_costs
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.schedule import FixedSchedule

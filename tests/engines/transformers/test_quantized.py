@@ -16,7 +16,7 @@ from distributions import (
 )
 
 from specagent.decoding import acceptance
-from specagent.decoding.draft_model import DraftModelDrafter
+from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.keys import model_key

@@ -1,37 +1,28 @@
-"""Drafters: cheap proposers of the next k tokens.
-
-One small interface (as transformers' ``CandidateGenerator``): ``propose(context, k, ...)`` returns
-up to k tokens and, where the drafter has one, the distribution q each was drawn from. A drafter
-object lives for one call and keeps that call's state (a draft KV cache); ``observe`` tells it how
-many of its tokens were accepted.
-
-- ``DraftModelDrafter`` and ``EarlyExitDrafter`` (``draft_model.py``): a separate small model
-  sharing the target's tokenizer, or the target's own first N layers (self-speculation).
-- ``PromptLookupDrafter``: copies what followed the latest earlier occurrence of the last n-gram in
-  the prompt or output: free, and strong on extraction, editing and tool-call arguments.
-"""
+"""What every drafter is (``Drafter``, ``StepwiseDrafter``) and declares to the registry
+(``DrafterKind``: its builder, the model its drafting costs, and what it needs), and the helpers
+drafters share (``lookup_continuation``, ``admissible``, ``run_inline``)."""
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .engine import ForwardRequest, advance
-from .proposal import EMPTY, DraftTree, Proposal, TokenConstraint
-from .sampling import SamplingParams
-from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
+from ..engine import ForwardRequest, Runner, advance
+from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
+from ..sampling import SamplingParams
+from ..schedule import Schedule
 
 if TYPE_CHECKING:
-    from .parts import DrafterSettings, DraftingParts
+    from ..parts import DraftingParts
 
 __all__ = [
     "Drafter",
-    "PromptLookupDrafter",
+    "DrafterKind",
     "StepwiseDrafter",
-    "build_no_drafter",
-    "build_prompt_lookup",
+    "admissible",
     "lookup_continuation",
     "run_inline",
 ]
@@ -120,57 +111,6 @@ class StepwiseDrafter(Drafter):
         raise NotImplementedError
 
 
-class PromptLookupDrafter(Drafter):
-    """n-gram lookup in the context (Saxena 2023; transformers' prompt lookup decoding).
-
-    Tries the longest n-gram first (``max_ngram`` down to ``min_ngram``) and takes the most recent
-    earlier match, which tracks what the output is currently copying."""
-
-    name = "prompt_lookup"
-
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            msg = f"prompt_lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
-            raise ValueError(msg)
-        self.max_ngram = max_ngram
-        self.min_ngram = min_ngram
-
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        if k <= 0:
-            return EMPTY
-        follow = lookup_continuation(context, k, self.min_ngram, self.max_ngram)
-        if not follow:
-            return EMPTY
-        found = _admissible(follow, constraint)
-        return Proposal(found.tokens, masks=found.masks, source="history")
-
-
-def build_prompt_lookup(
-    config: DrafterSettings, parts: DraftingParts
-) -> tuple[Drafter | None, Schedule]:
-    """The registry's builder: lookup drafts are free, so an adaptive schedule prices only
-    the verification (``parts.costs(None)``)."""
-    drafter = PromptLookupDrafter(max_ngram=config.max_ngram, min_ngram=config.min_ngram)
-    k = config.num_speculative_tokens
-    if not config.adaptive:
-        return drafter, FixedSchedule(k)
-    return drafter, AdaptiveSchedule(max_k=k, costs=parts.costs(None))
-
-
-def build_no_drafter(
-    config: DrafterSettings, parts: DraftingParts
-) -> tuple[Drafter | None, Schedule]:
-    """Plain decoding: no drafter, k = 0 at every step."""
-    return None, FixedSchedule(0)
-
-
 def lookup_continuation(
     context: Sequence[int], limit: int, min_ngram: int, max_ngram: int
 ) -> list[int]:
@@ -188,7 +128,7 @@ def lookup_continuation(
     return []
 
 
-def _admissible(tokens: list[int], constraint: TokenConstraint | None) -> Proposal:
+def admissible(tokens: list[int], constraint: TokenConstraint | None) -> Proposal:
     """The longest prefix of ``tokens`` the constraint allows, consumed into it, with masks."""
     if constraint is None:
         return Proposal(tokens=tokens)
@@ -203,3 +143,27 @@ def _admissible(tokens: list[int], constraint: TokenConstraint | None) -> Propos
             break
     kept = tokens[: len(masks)]
     return Proposal(tokens=kept, masks=masks) if kept else EMPTY
+
+
+Build = Callable[[Any, "DraftingParts"], "tuple[Drafter | None, Schedule]"]
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One drafter kind as its module declares it to ``decoding.registry.DRAFTERS``: how a
+    call's drafter and schedule are built from the policy's settings, and what it needs."""
+
+    build: Build
+    cost_runner: Callable[[Any, DraftingParts], Runner | None] = lambda config, parts: None
+    """The model whose forwards drafting costs (None: free; only verification is priced)."""
+    needs_draft_model: bool = False
+    check: Callable[[Any, int], str | None] = lambda config, num_layers: None
+    """A problem with the settings on a target of that many layers (None: fits)."""
+    drafts: bool = True
+    """Whether it proposes tokens at all (plain decoding does not: no costs to measure, no
+    relaxed rule to apply)."""
+    reads_history: bool = False
+    """It drafts from earlier calls' text (``drafter.history``): its calls get a history key."""
+    cuts_layers: bool = False
+    """It runs the target's first layers: only on an engine whose models declare
+    ``Capabilities.early_exit``."""

@@ -1,8 +1,7 @@
-"""Drafting with a model: a separate small model (``DraftModelDrafter``) or the target's own
-first layers (``EarlyExitDrafter``: its first N layers + final norm and head, no second model in
-memory; it pays only on checkpoints trained for early exit, such as LayerSkip).
+"""``draft_model``: drafting with a separate small model that shares the target's tokenizer
+(``DraftModelDrafter``; ``early_exit`` drafts the same way with the target's own first layers).
 
-Both keep a draft KV cache per call and end each draft where the measured step costs and the
+It keeps a draft KV cache per call and end each draft where the measured step costs and the
 draft's calibrated confidence say one more token no longer pays (``costs.most_per_cost``).
 """
 
@@ -12,28 +11,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .costs import CostModel, expected_tokens, most_per_cost
-from .drafters import Drafter, StepwiseDrafter, lookup_continuation
-from .engine import ForwardRequest, Runner, Tokens, crop_to
-from .parts import Prefixes
-from .prefix import common_prefix_length, reuse_prefix
-from .proposal import EMPTY, Proposal, TokenConstraint
-from .sampling import SamplingParams, logits_to_probs, sample
-from .schedule import AdaptiveSchedule, FixedSchedule, Schedule
-from .vocab import CallVocabulary
+from ..costs import CostModel, expected_tokens, most_per_cost
+from ..engine import ForwardRequest, Runner, Tokens, crop_to
+from ..parts import Prefixes
+from ..prefix import common_prefix_length, reuse_prefix
+from ..proposal import EMPTY, Proposal, TokenConstraint
+from ..sampling import SamplingParams, logits_to_probs, sample
+from ..schedule import AdaptiveSchedule, FixedSchedule, Schedule
+from ..vocab import CallVocabulary
+from .base import DrafterKind, StepwiseDrafter, lookup_continuation
 
 if TYPE_CHECKING:
     from collections.abc import Generator
 
-    from .parts import DrafterSettings, DraftingParts
+    from ..parts import DrafterSettings, DraftingParts
 
-__all__ = [
-    "DraftModelDrafter",
-    "EarlyExitDrafter",
-    "build_draft_model",
-    "build_early_exit",
-    "early_exit_layers",
-]
+__all__ = ["KIND", "DraftModelDrafter", "build_draft_model", "model_drafter"]
 
 
 class DraftModelDrafter(StepwiseDrafter):
@@ -367,12 +360,6 @@ class DraftModelDrafter(StepwiseDrafter):
         self._call_trials = self._call_trials * 0.95 + accepted + (1 if accepted < proposed else 0)
 
 
-class EarlyExitDrafter(DraftModelDrafter):
-    """Self-speculation through a shallow view of the target (see ``cache.early_exit_view``)."""
-
-    name = "early_exit"
-
-
 def _probability(logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """p(token) = 1 / sum(exp(logits - logits[token])), without building the distribution;
     ``token``: ``[1]`` on the logits' device, the result ``[1]`` there (nothing read)."""
@@ -406,33 +393,10 @@ def build_draft_model(
 ) -> tuple[DraftModelDrafter, Schedule]:
     """The registry's builder for ``draft_model``: the runtime's draft model."""
     assert parts.draft is not None  # the registry refuses the policy on a runtime without one
-    return _model_drafter(DraftModelDrafter, parts.draft, config, parts)
+    return model_drafter(DraftModelDrafter, parts.draft, config, parts)
 
 
-def build_early_exit(
-    config: DrafterSettings, parts: DraftingParts
-) -> tuple[Drafter | None, Schedule]:
-    """The registry's builder for ``early_exit``: a shallow view of the target."""
-    runner = parts.shallow(early_exit_layers(config, parts.num_layers))
-    return _model_drafter(EarlyExitDrafter, runner, config, parts)
-
-
-def early_exit_layers(config: DrafterSettings, num_layers: int) -> int:
-    """Layers an early-exit drafter runs: the policy's, else three quarters of the target's."""
-    return config.early_exit_layers or max(1, (3 * num_layers) // 4)
-
-
-def check_early_exit(config: DrafterSettings, num_layers: int) -> str | None:
-    layers = early_exit_layers(config, num_layers)
-    if 1 <= layers < num_layers:
-        return None
-    return (
-        f"field 'drafter.early_exit_layers': expected 1..{num_layers - 1} for this "
-        f"{num_layers}-layer target, got {layers}"
-    )
-
-
-def _model_drafter(
+def model_drafter(
     kind: type[DraftModelDrafter],
     runner: Runner,
     config: DrafterSettings,
@@ -460,3 +424,6 @@ def _model_drafter(
     # switching drafting off for the next probe_every steps.
     assert costs is not None
     return drafter, AdaptiveSchedule(max_k=k, costs=costs, drafter_stops=True, prior_weight=2.0)
+
+
+KIND = DrafterKind(build_draft_model, lambda config, parts: parts.draft, needs_draft_model=True)

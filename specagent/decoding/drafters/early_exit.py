@@ -1,0 +1,53 @@
+"""``early_exit``: self-speculation with the target's own first N layers, its final norm and
+head (no second model in memory; it pays only on checkpoints trained for early exit, such as
+LayerSkip). It drafts as a draft model does (``draft_model.DraftModelDrafter``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..schedule import Schedule
+from .base import Drafter, DrafterKind
+from .draft_model import DraftModelDrafter, model_drafter
+
+if TYPE_CHECKING:
+    from ..parts import DrafterSettings, DraftingParts
+
+__all__ = ["KIND", "EarlyExitDrafter", "early_exit_layers"]
+
+
+class EarlyExitDrafter(DraftModelDrafter):
+    """Self-speculation through a shallow view of the target (see ``cache.early_exit_view``)."""
+
+    name = "early_exit"
+
+
+def build_early_exit(
+    config: DrafterSettings, parts: DraftingParts
+) -> tuple[Drafter | None, Schedule]:
+    """The registry's builder for ``early_exit``: a shallow view of the target."""
+    runner = parts.shallow(early_exit_layers(config, parts.num_layers))
+    return model_drafter(EarlyExitDrafter, runner, config, parts)
+
+
+def early_exit_layers(config: DrafterSettings, num_layers: int) -> int:
+    """Layers an early-exit drafter runs: the policy's, else three quarters of the target's."""
+    return config.early_exit_layers or max(1, (3 * num_layers) // 4)
+
+
+def check_early_exit(config: DrafterSettings, num_layers: int) -> str | None:
+    layers = early_exit_layers(config, num_layers)
+    if 1 <= layers < num_layers:
+        return None
+    return (
+        f"field 'drafter.early_exit_layers': expected 1..{num_layers - 1} for this "
+        f"{num_layers}-layer target, got {layers}"
+    )
+
+
+KIND = DrafterKind(
+    build_early_exit,
+    lambda config, parts: parts.shallow(early_exit_layers(config, parts.num_layers)),
+    check=check_early_exit,
+    cuts_layers=True,
+)

@@ -1,0 +1,24 @@
+"""``none``: plain decoding, one token per target forward (the baseline every drafter is
+measured against, and what a policy that must not draft uses)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..schedule import FixedSchedule, Schedule
+from .base import Drafter, DrafterKind
+
+if TYPE_CHECKING:
+    from ..parts import DrafterSettings, DraftingParts
+
+__all__ = ["KIND"]
+
+
+def build_no_drafter(
+    config: DrafterSettings, parts: DraftingParts
+) -> tuple[Drafter | None, Schedule]:
+    """Plain decoding: no drafter, k = 0 at every step."""
+    return None, FixedSchedule(0)
+
+
+KIND = DrafterKind(build_no_drafter, drafts=False)

@@ -1,0 +1,197 @@
+"""``suffix``: drafting from text already written (``SuffixDrafter``: the call's own context
+and the history its policy may read; ``auto`` picks per step between it, the draft model and
+plain decoding).
+
+A history draft is free to make: its only cost is verifying it. Its length comes from the match:
+each token carries its share of the vote among the places that matched (``history``), calibrated
+by what the target accepted of earlier history drafts, and the draft is cut where one more token
+is expected to cost more than it brings (``costs.most_per_cost`` over the verify curve).
+
+Where a second draft is worth a few more rows of the same forward, the proposal carries a token
+tree (``tree.py``): the history's runner-up beside its best continuation, and in ``auto`` the
+history's continuation beside the draft model's draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..costs import CostModel, most_per_cost
+from ..history import Continuation, SuffixIndex, continuation, runner_up
+from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
+from ..sampling import SamplingParams
+from ..schedule import FixedSchedule, Schedule
+from .base import Drafter, DrafterKind, admissible
+
+if TYPE_CHECKING:
+    from ..parts import DrafterSettings, DraftingParts
+
+__all__ = ["KIND", "SuffixDrafter", "history_drafter"]
+
+
+class SuffixDrafter(Drafter):
+    """Proposes what most often followed the context's longest match, in the call's own context
+    (prompt and output so far) and in the earlier calls of ``shared`` indexes."""
+
+    name = "suffix"
+
+    def __init__(
+        self,
+        shared: Sequence[SuffixIndex] = (),
+        costs: CostModel | None = None,
+        own_context: bool = True,
+        trees: bool = False,
+    ) -> None:
+        self.shared = list(shared)
+        self.costs = costs or CostModel()
+        self.trees = trees
+        """Whether the history's runner-up continuation may ride beside its best one in a token
+        tree (``with_runner_up``)."""
+        self.own = SuffixIndex() if own_context else None
+        self._indexed: list[int] = []
+        self._tested_confidence = 2.0
+        self._tested_hits = 1.6
+        """Decayed sums over judged history tokens: their vote shares, and how many the target
+        accepted (prior: 80% of the vote share)."""
+        self._last_confidences: list[float] = []
+
+    def candidate(
+        self, context: list[int], limit: int, after: Callable[[float], float] | None = None
+    ) -> tuple[Continuation, float]:
+        """The draft worth proposing (cut by cost) and its expected tokens per unit of cost.
+        ``after(tokens)``: what emitting that many tokens this way costs later (a draft model
+        feeding them at its next draft), added to the verification's cost."""
+        self._sync(context)
+        found = continuation(self._indexes(), context, limit)
+        if not found.tokens:
+            return found, 0.0
+        gains = self.gains(found.confidences)
+        costs = [self.costs.verify_cost(n + 1) for n in range(len(gains))]
+        if after is not None:
+            costs = [cost + after(gain) for cost, gain in zip(costs, gains, strict=True)]
+        length = most_per_cost(gains, costs)
+        kept = Continuation(found.tokens[:length], found.confidences[:length], found.match_length)
+        return kept, gains[length] / costs[length]
+
+    def _indexes(self) -> list[SuffixIndex]:
+        return [self.own, *self.shared] if self.own is not None else self.shared
+
+    def with_runner_up(
+        self,
+        context: list[int],
+        found: Continuation,
+        limit: int,
+        after: Callable[[float], float] | None = None,
+    ) -> Proposal:
+        """``found`` as a proposal and, beside it in a token tree, the history's runner-up
+        continuation (``history.runner_up``: where the earlier places split, the other way)
+        where its extra rows pay. It leaves ``found`` after d shared tokens; reaching the split
+        has the chance of ``found``'s first d tokens, and the branch then brings its own
+        calibrated vote shares' products. Its length is the one with the most expected tokens
+        per unit of the step's cost (verification and ``after``), and none unless that beats
+        ``found`` alone."""
+        main = self.take(found, None)
+        if not self.trees or not found.tokens:
+            return main
+        other = runner_up(self._indexes(), context, found, limit)
+        if not other.tokens:
+            return main
+        calibration = self.calibration()
+        reach = 1.0
+        shared = 0
+        for mine, theirs in zip(found.tokens, other.tokens, strict=False):
+            if mine != theirs:
+                break
+            shared += 1
+            reach *= min(found.confidences[shared - 1] * calibration, 0.999)
+        tree_gains = self.gains(
+            other.confidences[shared:], self.gains(found.confidences)[-1], reach
+        )
+        n = len(found.tokens)
+        costs = [
+            self.costs.verify_cost(n + 1 + extra) + (after(gain) if after is not None else 0.0)
+            for extra, gain in enumerate(tree_gains)
+        ]
+        extra = most_per_cost(tree_gains, costs)
+        if extra == 0:
+            return main
+        branch = Proposal(other.tokens[: shared + extra], source="history")
+        return dataclasses.replace(main, tree=DraftTree.of([main, branch]))
+
+    def gains(
+        self, confidences: Sequence[float], start: float = 1.0, reach: float = 1.0
+    ) -> list[float]:
+        """Expected tokens of a step after each further history token: ``start``, then each
+        token adds the chance that it and those before it are accepted (``reach`` times their
+        calibrated vote shares, each capped below 1)."""
+        calibration = self.calibration()
+        gains, chance = [start], reach
+        for confidence in confidences:
+            chance *= min(confidence * calibration, 0.999)
+            gains.append(gains[-1] + chance)
+        return gains
+
+    def calibration(self) -> float:
+        """What the target accepted of earlier history drafts per unit of their vote share."""
+        return self._tested_hits / self._tested_confidence
+
+    def take(self, found: Continuation, constraint: TokenConstraint | None) -> Proposal:
+        """Propose ``found`` (the admissible part under a constraint)."""
+        proposal = admissible(list(found.tokens), constraint) if found.tokens else EMPTY
+        self._last_confidences = found.confidences[: len(proposal.tokens)]
+        return Proposal(proposal.tokens, masks=proposal.masks, source="history")
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        constraint: TokenConstraint | None = None,
+    ) -> Proposal:
+        found, _ = self.candidate(context, k)
+        if constraint is None:
+            return self.with_runner_up(context, found, k)
+        return self.take(found, constraint)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        judged = self._last_confidences[: min(accepted + 1, proposed)]
+        self._tested_confidence = self._tested_confidence * 0.9 + sum(judged)
+        self._tested_hits = self._tested_hits * 0.9 + accepted
+
+    def _sync(self, context: list[int]) -> None:
+        """Index the context's new tokens (a call's context only grows, unless a drafter was
+        handed tokens that were then rejected: then start over)."""
+        if self.own is None:
+            return
+        known = len(self._indexed)
+        if context[:known] != self._indexed:
+            self.own.remove(0)
+            self._indexed, known = [], 0
+            self.own.add(0, [])
+        elif 0 not in self.own.docs:
+            self.own.add(0, [])
+        new = context[known:]
+        self.own.extend(0, new)
+        self._indexed.extend(new)
+
+
+def build_suffix(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
+    """The registry's builder for ``suffix``: history drafts, their length from the match."""
+    drafter = history_drafter(config, parts)
+    return drafter, FixedSchedule(config.num_speculative_tokens)
+
+
+def history_drafter(config: DrafterSettings, parts: DraftingParts) -> SuffixDrafter:
+    own = config.history != "none"
+    trees = config.tree and parts.target.takes_trees
+    return SuffixDrafter(parts.history, parts.costs(None), own_context=own, trees=trees)
+
+
+KIND = DrafterKind(build_suffix, reads_history=True)
