@@ -106,17 +106,7 @@ class DraftModelDrafter(StepwiseDrafter):
         the runtime can batch the draft steps of many calls into one forward."""
         if k <= 0 or not context or not self.catch_up_pays(context):
             return EMPTY
-        prompt = 0  # the prompt length to keep for later calls after this step's forward
-        if not self._cached and self._prefixes is not None and len(context) > 1:
-            # From the longest kept prefix; the rest goes with the first draft forward.
-            self.cache, reused = reuse_prefix(self.runner, context[:-1], self._prefixes)
-            self._cached = list(context[:reused])
-            prompt = len(context) - 1 if reused < len(context) - 1 else 0
-        shared = common_prefix_length(self._cached, context)
-        shared = min(shared, len(context) - 1)  # always feed at least the last token
-        crop_to(self.cache, shared)
-        del self._cached[shared:]
-        feed = context[shared:]
+        feed, prompt = self._unfed(context)
         vocab = self._vocab.update(context) if self._vocab is not None else None
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -197,6 +187,22 @@ class DraftModelDrafter(StepwiseDrafter):
         if params.greedy:
             return Proposal(tokens=tokens, masks=masks or None)
         return Proposal(tokens=tokens, probs=torch.stack(rows), masks=masks or None)
+
+    def _unfed(self, context: list[int]) -> tuple[list[int], int]:
+        """What of ``context`` the draft's cache lacks (its cache cut back to what they share,
+        at least the last token left to feed), and the prompt length to keep for later calls
+        after the next forward (0: none). A first draft starts from the longest kept prefix."""
+        prompt = 0
+        if not self._cached and self._prefixes is not None and len(context) > 1:
+            # From the longest kept prefix; the rest goes with the first draft forward.
+            self.cache, reused = reuse_prefix(self.runner, context[:-1], self._prefixes)
+            self._cached = list(context[:reused])
+            prompt = len(context) - 1 if reused < len(context) - 1 else 0
+        shared = common_prefix_length(self._cached, context)
+        shared = min(shared, len(context) - 1)  # always feed at least the last token
+        crop_to(self.cache, shared)
+        del self._cached[shared:]
+        return context[shared:], prompt
 
     def _drafted_on_device(
         self,

@@ -289,7 +289,8 @@ class SlotSequence:
 
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a token tree written from position ``start`` (its root), keep the root and
-        the accepted ``path`` (nodes), moved to follow one another (``decoding.engine.keep_path``)."""
+        the accepted ``path`` (nodes), moved to follow one another
+        (``decoding.engine.keep_path``)."""
         if self.own is not None:
             keep_path(self.own, start, path)
             return
