@@ -4,6 +4,7 @@ groups for a model pair, an engine, compiled steps and an evaluation."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ..engines import ENGINES
 
@@ -80,3 +81,22 @@ def compile_option(parser: argparse.ArgumentParser) -> None:
         "measures on CUDA and elsewhere reuses this machine's earlier decision; on measures "
         "here (minutes on a small CPU, once per machine); off keeps eager steps",
     )
+
+
+def policy_set(directory: str | None) -> Any:
+    """The shipped policies, plus (and overridden by) those of ``directory``."""
+    from ..policy import load_policies, shipped_policies
+
+    shipped = shipped_policies()
+    return load_policies(directory, extends=shipped) if directory else shipped
+
+
+def target_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
+    from ..catalog import PAIRS
+
+    return PAIRS[args.pair] if args.pair else (args.target, args.draft)
+
+
+def compile_steps(args: argparse.Namespace) -> bool | None:
+    """``--compile-steps`` as ``SpecRuntime``'s ``compile_steps`` (auto: None)."""
+    return {"on": True, "off": False}.get(args.compile_steps)

@@ -1,0 +1,191 @@
+"""The measuring commands: ``specagent bench`` (specagent beside what a user would run
+instead), ``eval`` (what relaxed policies cost against their lossless twins) and ``tune``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..decoding.registry import RULES
+from ..machine import machine_kind
+from .arguments import compile_steps, policy_set, target_and_draft
+
+__all__ = ["bench", "evaluate", "tune"]
+
+
+def bench(args: argparse.Namespace) -> int:
+    from ..bench import bench_policies, run_bench, save
+    from ..llama_server import llama_server_methods
+    from ..runtime import SpecRuntime
+
+    target, draft = target_and_draft(args)
+    agent = args.workload == "agent"
+    if agent:
+        from ..agent_bench import agent_policies, run_agent_bench, save_agent_bench
+
+    # Single prompts: no prefix reuse, every method pays its own prefill, as the baselines do
+    # (benchmarks/runtime_load.py measures what reuse saves). Agent episodes run specagent both
+    # ways: paying every prefill, and as an agent runs it (each turn from the last one's KV).
+    runtime = SpecRuntime.from_pretrained(
+        target,
+        draft=draft,
+        policies=(agent_policies if agent else bench_policies)(draft is not None),
+        prefix_cache_tokens=65536 if agent else 0,
+        dtype=args.dtype,
+        draft_dtype=args.draft_dtype or args.dtype,
+        compile_steps=compile_steps(args),
+        engine=args.engine,
+    )
+    # Named by benchmark, engine and machine kind: a newer run of the same replaces it.
+    stem = args.name or (
+        f"bench-{args.workload}_{runtime.engine.replace('.', '-')}_"
+        f"{args.pair or Path(target).name}_{machine_kind()}"
+    )
+    max_new_tokens = args.max_new_tokens or (32 if agent else 48)
+    with llama_server_methods(runtime, max_new_tokens, args.llama_server) as servers:
+        if runtime.engine == "llama.cpp" and not servers:
+            print(
+                "no llama-server binary found: its baselines are left out "
+                "(--llama-server PATH, or `python benchmarks/llama_server.py build`)",
+                file=sys.stderr,
+            )
+        if agent:
+            outcome = run_agent_bench(
+                runtime,
+                max_new_tokens=max_new_tokens,
+                repeats=args.repeats,
+                methods=args.methods,
+                target_name=Path(target).name,
+                draft_name=Path(draft).name if draft else None,
+                baselines=servers,
+            )
+        else:
+            result = run_bench(
+                runtime,
+                max_new_tokens=max_new_tokens,
+                target_name=Path(target).name,
+                draft_name=Path(draft).name if draft else None,
+                repeats=args.repeats,
+                methods=args.methods,
+                baselines=servers,
+            )
+    runtime.close()
+    if agent:
+        json_path, png_path = save_agent_bench(outcome, args.out, stem)
+        print(json.dumps(outcome.summary, indent=1))
+        print(f"wrote {json_path} and {png_path}")
+        return 0
+    json_path, png_path = save(result, args.out, stem)
+    print(json.dumps(result.summary, indent=1))
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _load_named_policy(ref: str, directory: str | None) -> Any:
+    from ..policy import load_policy
+
+    if ref.endswith((".yaml", ".yml")) or Path(ref).is_file():
+        return load_policy(ref)
+    return policy_set(directory)[ref]
+
+
+def _eval_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], str]:
+    """The runtime (no policies of its own), the prompts and the prompt set's name."""
+    from ..evaluation import default_prompt_set, load_prompt_set
+    from ..runtime import SpecRuntime
+
+    prompts = load_prompt_set(args.prompts)
+    if args.limit is not None:
+        prompts = prompts[: max(args.limit, 1)]
+    target, draft = target_and_draft(args)
+    runtime = SpecRuntime.from_pretrained(target, draft=draft, engine=args.engine)
+    return runtime, prompts, str(args.prompts or default_prompt_set().name)
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, unit="prompt", file=sys.stderr)
+
+    def step(label: str) -> None:
+        bar.set_description(label[:48])
+        bar.update(1)
+
+    step.close = bar.close  # type: ignore[attr-defined]
+    return step
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from ..evaluation import evaluate
+
+    settings = []
+    for ref in args.policy:
+        policy = _load_named_policy(ref, args.policies)
+        settings.append(policy)
+        for rule in args.rule or ():
+            guard = policy.acceptance.max_divergence if policy.acceptance else None
+            acceptance = RULES[rule].config(rule=rule, max_divergence=guard)
+            if policy.acceptance is None or acceptance != policy.acceptance:
+                variant = {**policy.model_dump(), "mode": "relaxed"}
+                variant["acceptance"] = acceptance.model_dump()
+                settings.append(type(policy).model_validate(variant))
+    runtime, prompts, source = _eval_inputs(args)
+    progress = _progress(len(settings) * len(prompts))
+    report = evaluate(
+        runtime,
+        settings,
+        prompts,
+        num_seeds=args.seeds,
+        seed=args.seed,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        progress=progress,
+    )
+    progress.close()
+    report.prompt_set = source
+    print(report.table())
+    stem = args.name or f"eval_{Path(report.target).name}_{machine_kind()}"
+    json_path, png_path = report.save(args.out, stem)
+    page = json_path.with_suffix(".html")
+    print(f"wrote {json_path}, {png_path} and {page} (`specagent serve --reports {args.out}`)")
+    runtime.close()
+    return 0
+
+
+def tune(args: argparse.Namespace) -> int:
+    from ..errors import EvaluationError
+    from ..tuning import Budget, search_space, tune
+
+    policy = _load_named_policy(args.policy, args.policies)
+    budget = Budget(max_divergence=args.max_divergence, min_similarity=args.min_similarity)
+    try:
+        ks = [int(v) for v in args.k.split(",")] if args.k else None
+    except ValueError:
+        raise EvaluationError(f"--k takes comma-separated integers, got {args.k!r}") from None
+    candidates = search_space(policy, ks)  # refuses a lossless policy before loading models
+    runtime, prompts, source = _eval_inputs(args)
+    progress = _progress(len(candidates) * len(prompts))
+    result = tune(
+        runtime,
+        policy,
+        prompts,
+        budget,
+        ks=ks,
+        seed=args.seed,
+        num_seeds=args.seeds,
+        progress=progress,
+        prompt_set=source,
+    )
+    progress.close()
+    print(result.report.table())
+    out = args.out or Path("tuned") / f"{policy.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(result.to_yaml())
+    if args.report:
+        result.report.save(args.report, f"tune_{policy.name}")
+    print(f"chose {result.chosen.label}; wrote {out}")
+    runtime.close()
+    return 0
