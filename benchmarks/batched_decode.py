@@ -43,9 +43,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from specagent import Policy, SpecRuntime
-from specagent.bench import write_result
 from specagent.engines.transformers import ModelRunner
 from specagent.machine import ProbeStore
+from specagent.measuring.bench import write_result
 
 PLAIN = Policy(
     name="plain", description="plain greedy steps", mode="lossless", drafter={"kind": "none"}

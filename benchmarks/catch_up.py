@@ -27,10 +27,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import SpecRuntime
-from specagent.agent_bench import agent_policies
-from specagent.bench import baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
 from specagent.decoding.drafters import DraftModelDrafter
+from specagent.measuring.agent_bench import agent_policies
+from specagent.measuring.bench import baseline_methods, dtypes_of, write_result
 
 TOOL_NAMES = [
     "get_order", "cancel_order", "refund_order", "track_shipment", "update_address",

@@ -25,11 +25,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
-from specagent.bench import PROMPTS, baseline_methods, dtypes_of, write_result
 from specagent.chat import render_prompt
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
 from specagent.machine import ProbeStore
+from specagent.measuring.bench import PROMPTS, baseline_methods, dtypes_of, write_result
 
 POLICY = Policy(
     name="lossless-draft_model",

@@ -27,9 +27,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import SpecRuntime
-from specagent.agent_bench import agent_policies, load_episodes
-from specagent.bench import PROMPTS, baseline_methods, dtypes_of, geomean, write_result
 from specagent.chat import render_prompt
+from specagent.measuring.agent_bench import agent_policies, load_episodes
+from specagent.measuring.bench import PROMPTS, baseline_methods, dtypes_of, geomean, write_result
 
 
 def main() -> None:

@@ -22,16 +22,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
-from specagent.agent_bench import (
+from specagent.catalog import PAIRS
+from specagent.machine import machine_info
+from specagent.measuring.agent_bench import (
     TurnResult,
     _divergence_summary,
     _run_episode,
     load_episodes,
 )
-from specagent.bench import baseline_methods
-from specagent.catalog import PAIRS
-from specagent.divergence import explain_divergence
-from specagent.machine import machine_info
+from specagent.measuring.bench import baseline_methods
+from specagent.measuring.divergence import explain_divergence
 
 PLAIN = Policy(name="plain", description="no drafting", mode="lossless", drafter={"kind": "none"})
 

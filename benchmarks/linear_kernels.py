@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent.bench import write_result
 from specagent.catalog import resolve_model
 from specagent.decoding.engine import crop_to
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.kernels import LinearPlan, PackedWeights
+from specagent.measuring.bench import write_result
 
 
 def main() -> None:

@@ -45,8 +45,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
-from specagent.agent_bench import _run_episode, _spec_method, agent_policies, load_episodes
-from specagent.bench import PROMPTS, dtypes_of
 from specagent.catalog import PAIRS
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
@@ -55,8 +53,15 @@ from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.proposal import row_depths
 from specagent.decoding.registry import DRAFTERS
 from specagent.decoding.sampling import SamplingParams
-from specagent.evaluation.prompts import load_prompt_set
 from specagent.machine import machine_info
+from specagent.measuring.agent_bench import (
+    _run_episode,
+    _spec_method,
+    agent_policies,
+    load_episodes,
+)
+from specagent.measuring.bench import PROMPTS, dtypes_of
+from specagent.measuring.evaluation.prompts import load_prompt_set
 
 TENANT = "replay"
 

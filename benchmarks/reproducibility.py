@@ -35,12 +35,12 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent import Policy, SpecRuntime
-from specagent.agent_bench import load_episodes
-from specagent.bench import baseline_methods
 from specagent.catalog import resolve_model
 from specagent.chat import render_prompt
-from specagent.evaluation import load_prompt_set
 from specagent.machine import machine_info, machine_kind
+from specagent.measuring.agent_bench import load_episodes
+from specagent.measuring.bench import baseline_methods
+from specagent.measuring.evaluation import load_prompt_set
 
 
 def policy(name: str, reproducible: bool) -> Policy:

@@ -1,7 +1,9 @@
-"""The decoding core's import layers: no module of ``specagent.decoding`` imports another that
-imports it back (at import time or inside a function), and the core never imports an engine, the
-runtime, a front door (``specagent.errors``, the package's leaf of error types, excepted) or
-transformers. The engines sit above the core's runner seam (``decoding.engine``)."""
+"""The import layers: no module of ``specagent.decoding`` imports another that imports it back
+(at import time or inside a function), and the core never imports an engine, the runtime, a
+front door (``specagent.errors``, the package's leaf of error types, excepted) or transformers.
+The engines sit above the core's runner seam (``decoding.engine``); the runtime and the front
+doors reach them through the engine seam only (``specagent.engines``: its package and
+``engines.base``), and nothing on a call's path imports the measuring tools."""
 
 from __future__ import annotations
 
@@ -40,8 +42,16 @@ def _runtime_imports(path: Path, root: Path = PACKAGE) -> set[str]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+CORE = sorted(DECODING.rglob("*.py"))
+
+
 def _decoding_graph() -> dict[str, set[str]]:
-    modules = {f"specagent.decoding.{p.stem}": p for p in DECODING.glob("*.py")}
+    modules = {_module_name(p): p for p in CORE}
     return {
         name: {m for m in _runtime_imports(path) if m in modules and m != name}
         for name, path in modules.items()
@@ -68,7 +78,7 @@ def test_no_import_cycle_in_the_decoding_core() -> None:
             visit(node, [node])
 
 
-@pytest.mark.parametrize("path", sorted(DECODING.glob("*.py")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", CORE, ids=_module_name)
 def test_the_core_imports_no_engine_runtime_or_front_door(path: Path) -> None:
     outside = {
         m
@@ -101,3 +111,26 @@ def test_the_walk_finds_imports_at_import_time_and_inside_functions(tmp_path: Pa
     (planted / "b.py").write_text("def f():\n    from .a import y\n")
     imports = {p.stem: _runtime_imports(p, tmp_path / "specagent") for p in planted.glob("*")}
     assert imports == {"a": {"specagent.decoding.b"}, "b": {"specagent.decoding.a"}}
+
+
+CALL_PATH = sorted(
+    [
+        *(PACKAGE / "runtime").rglob("*.py"),
+        *(PACKAGE / "server").rglob("*.py"),
+        *(PACKAGE / name for name in ("calls.py", "call.py", "backend.py", "machine.py")),
+    ]
+)
+
+
+@pytest.mark.parametrize("path", CALL_PATH, ids=_module_name)
+def test_the_runtime_and_front_doors_reach_engines_through_their_seam(path: Path) -> None:
+    """No engine's internals (``specagent.engines.transformers``, ``engines.llama_cpp``) and no
+    measuring tool on a call's path: a new engine is one package and one registry line."""
+    seam = ("specagent.engines", "specagent.engines.base")
+    reached = {
+        m
+        for m in _runtime_imports(path)
+        if (m.startswith("specagent.engines.") and m not in seam)
+        or m.startswith("specagent.measuring")
+    }
+    assert not reached, f"{path.name} imports {sorted(reached)}"

@@ -11,7 +11,7 @@ from types import ModuleType
 from conftest import PinnedCosts
 
 from specagent import SpecRuntime
-from specagent.agent_bench import agent_policies
+from specagent.measuring.agent_bench import agent_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -212,7 +212,7 @@ def test_no_provider_means_no_op(target, draft, tokenizer) -> None:
     rt = SpecRuntime(
         target=target, draft=draft, tokenizer=tokenizer, policies=POLICIES, device="cpu"
     )
-    assert not rt._telemetry.tracer.start_span("probe").is_recording()
+    assert not rt._calls.telemetry.tracer.start_span("probe").is_recording()
     assert rt.generate_sync("x", policy="exact", max_new_tokens=3).usage.output_tokens > 0
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     rt.close()

@@ -17,14 +17,14 @@ __all__ = ["bench", "evaluate", "tune"]
 
 
 def bench(args: argparse.Namespace) -> int:
-    from ..bench import bench_policies, run_bench, save
     from ..llama_server import llama_server_methods
+    from ..measuring.bench import bench_policies, run_bench, save
     from ..runtime import SpecRuntime
 
     target, draft = target_and_draft(args)
     agent = args.workload == "agent"
     if agent:
-        from ..agent_bench import agent_policies, run_agent_bench, save_agent_bench
+        from ..measuring.agent_bench import agent_policies, run_agent_bench, save_agent_bench
 
     # Single prompts: no prefix reuse, every method pays its own prefill, as the baselines do
     # (benchmarks/runtime_load.py measures what reuse saves). Agent episodes run specagent both
@@ -94,7 +94,7 @@ def _load_named_policy(ref: str, directory: str | None) -> Any:
 
 def _eval_inputs(args: argparse.Namespace) -> tuple[Any, list[Any], str]:
     """The runtime (no policies of its own), the prompts and the prompt set's name."""
-    from ..evaluation import default_prompt_set, load_prompt_set
+    from ..measuring.evaluation import default_prompt_set, load_prompt_set
     from ..runtime import SpecRuntime
 
     prompts = load_prompt_set(args.prompts)
@@ -119,7 +119,7 @@ def _progress(total: int) -> Any:
 
 
 def evaluate(args: argparse.Namespace) -> int:
-    from ..evaluation import evaluate
+    from ..measuring.evaluation import evaluate
 
     settings = []
     for ref in args.policy:
@@ -157,7 +157,7 @@ def evaluate(args: argparse.Namespace) -> int:
 
 def tune(args: argparse.Namespace) -> int:
     from ..errors import EvaluationError
-    from ..tuning import Budget, search_space, tune
+    from ..measuring.tuning import Budget, search_space, tune
 
     policy = _load_named_policy(args.policy, args.policies)
     budget = Budget(max_divergence=args.max_divergence, min_similarity=args.min_similarity)

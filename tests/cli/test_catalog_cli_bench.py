@@ -16,10 +16,10 @@ import torch
 from conftest import make_model
 
 from specagent import ModelLoadError, SpecRuntime
-from specagent.bench import bench_policies, run_bench, save
 from specagent.catalog import CATALOG, PAIRS, CatalogModel, _assemble, _verify, resolve_model
 from specagent.cli import main
 from specagent.cli.parser import build_parser
+from specagent.measuring.bench import bench_policies, run_bench, save
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -168,7 +168,7 @@ def test_bench_explains_a_lossless_output_that_differs(
 ) -> None:
     """A planted bug (a lossless method whose fourth token is another) is reported as a
     difference rounding cannot explain, with where it happened."""
-    import specagent.bench as bench
+    import specagent.measuring.bench as bench
 
     honest = bench._spec_method
 

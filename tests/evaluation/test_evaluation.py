@@ -13,15 +13,15 @@ from conftest import perturbed_copy
 from specagent import EvaluationError, Policy, PolicyError, SpecRuntime
 from specagent.cli import main
 from specagent.decoding.costs import CostModel
-from specagent.evaluation import (
+from specagent.measuring.evaluation import (
     EvalPrompt,
     TextSimilarity,
     evaluate,
     load_prompt_set,
     lossless_twin,
 )
+from specagent.measuring.tuning import Budget, search_space, tune
 from specagent.policy.loader import parse_policy
-from specagent.tuning import Budget, search_space, tune
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [

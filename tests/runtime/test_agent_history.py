@@ -211,7 +211,7 @@ def test_a_tool_call_under_a_grammar_counts_forced_tokens(target, tokenizer) -> 
 
 
 def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
-    from specagent.agent_bench import (
+    from specagent.measuring.agent_bench import (
         agent_policies,
         load_episodes,
         run_agent_bench,
@@ -265,7 +265,7 @@ def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
 def test_explain_divergence_tells_a_real_difference_from_a_rounding_tie(target, tokenizer) -> None:
     import torch
 
-    from specagent.divergence import explain_divergence
+    from specagent.measuring.divergence import explain_divergence
 
     runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[PLAIN], device="cpu")
     prompt = [5, 17, 42, 9]
@@ -295,7 +295,7 @@ def test_explain_divergence_blames_rounding_only_within_the_dtypes_error(target,
 
     import torch
 
-    from specagent.divergence import explain_divergence
+    from specagent.measuring.divergence import explain_divergence
 
     half = copy.deepcopy(target).to(torch.bfloat16)
     runtime = SpecRuntime(half, tokenizer=tokenizer, policies=[PLAIN], device="cpu")

@@ -114,7 +114,7 @@ def test_an_unregistered_drafter_is_refused_naming_the_known_ones() -> None:
 
 
 def test_relaxed_rules_and_their_tuning_grids_come_from_the_registry() -> None:
-    from specagent.tuning import GRIDS
+    from specagent.measuring.tuning import GRIDS
 
     assert set(GRIDS) == set(registry.RULES)
     for name, kind in registry.RULES.items():

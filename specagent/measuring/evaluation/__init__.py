@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..decoding.costs import CostModel
-from ..errors import EvaluationError
-from ..policy import Policy
-from ..results import GenerationResult
-from ..runtime import SpecRuntime
+from ...decoding.costs import CostModel
+from ...errors import EvaluationError
+from ...policy import Policy
+from ...results import GenerationResult
+from ...runtime import SpecRuntime
 from .prompts import EvalPrompt, default_prompt_set, load_prompt_set
 from .report import EvalReport, PromptScore, SettingReport, _mean, setting_label, write_chart
 from .similarity import TextSimilarity

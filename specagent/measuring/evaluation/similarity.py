@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import EvaluationError
+from ...errors import EvaluationError
 
 __all__ = ["TextSimilarity"]
 

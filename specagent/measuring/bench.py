@@ -28,12 +28,12 @@ from typing import Any, Literal
 
 import torch
 
-from .chat import render_prompt
+from ..chat import render_prompt
+from ..machine import machine_info, machine_kind
+from ..policy import Policy
+from ..policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
+from ..runtime import SpecRuntime
 from .divergence import explain_divergence, tally_differences
-from .machine import machine_info, machine_kind
-from .policy import Policy
-from .policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
-from .runtime import SpecRuntime
 
 __all__ = ["PROMPTS", "BenchResult", "run_bench", "write_chart"]
 

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import EvaluationError
+from ...errors import EvaluationError
 
 __all__ = ["EvalPrompt", "default_prompt_set", "load_prompt_set"]
 

@@ -7,9 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...decoding.costs import CostModel
+from ...policy import Policy
 from ..bench import geomean
-from ..decoding.costs import CostModel
-from ..policy import Policy
 
 __all__ = ["EvalReport", "PromptScore", "SettingReport", "setting_label", "write_chart"]
 

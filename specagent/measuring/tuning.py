@@ -20,9 +20,11 @@ from typing import Any
 
 import yaml
 
-from .decoding.costs import CostModel
-from .decoding.registry import RULES
-from .errors import EvaluationError, PolicyError
+from ..decoding.costs import CostModel
+from ..decoding.registry import RULES
+from ..errors import EvaluationError, PolicyError
+from ..policy import Policy
+from ..runtime import SpecRuntime
 from .evaluation import (
     EvalPrompt,
     EvalReport,
@@ -31,8 +33,6 @@ from .evaluation import (
     evaluate,
     setting_label,
 )
-from .policy import Policy
-from .runtime import SpecRuntime
 
 __all__ = ["GRIDS", "Budget", "TuneResult", "search_space", "tune"]
 

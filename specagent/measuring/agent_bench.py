@@ -36,13 +36,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ..chat import render_prompt
+from ..machine import machine_info
+from ..policy import Policy
+from ..policy.schema import DrafterConfig
+from ..runtime import SpecRuntime
 from .bench import Method, baseline_methods, dtypes_of, geomean, peak_rss_mb
-from .chat import render_prompt
 from .divergence import explain_divergence, tally_differences
-from .machine import machine_info
-from .policy import Policy
-from .policy.schema import DrafterConfig
-from .runtime import SpecRuntime
 
 __all__ = [
     "AgentBenchResult",

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .runtime import SpecRuntime
+    from ..runtime import SpecRuntime
 
 __all__ = ["explain_divergence", "tally_differences"]
 
@@ -104,7 +104,7 @@ def _plain_path_logits(model: Any, prompt: list[int], generated: list[int], devi
     import torch
     from transformers import DynamicCache
 
-    from .engines.transformers import cache_keyword
+    from ..engines.transformers import cache_keyword
 
     kwargs = {cache_keyword(type(model)): DynamicCache(), "use_cache": True}
     logits = model(input_ids=torch.tensor([prompt], device=device), **kwargs).logits
