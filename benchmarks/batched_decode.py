@@ -45,7 +45,7 @@ from transformers.generation.streamers import BaseStreamer
 from specagent import Policy, SpecRuntime
 from specagent.engines.transformers import ModelRunner
 from specagent.machine import ProbeStore
-from specagent.measuring.bench import write_result
+from specagent.measuring.records import write_result
 
 PLAIN = Policy(
     name="plain", description="plain greedy steps", mode="lossless", drafter={"kind": "none"}

@@ -30,7 +30,8 @@ from specagent import SpecRuntime
 from specagent.chat import render_prompt
 from specagent.decoding.drafters import DraftModelDrafter
 from specagent.measuring.agent_bench import agent_policies
-from specagent.measuring.bench import baseline_methods, dtypes_of, write_result
+from specagent.measuring.baselines import baseline_methods
+from specagent.measuring.records import dtypes_of, write_result
 
 TOOL_NAMES = [
     "get_order", "cancel_order", "refund_order", "track_shipment", "update_address",

@@ -29,7 +29,9 @@ from specagent.chat import render_prompt
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
 from specagent.machine import ProbeStore
-from specagent.measuring.bench import PROMPTS, baseline_methods, dtypes_of, write_result
+from specagent.measuring.baselines import baseline_methods
+from specagent.measuring.bench import PROMPTS
+from specagent.measuring.records import dtypes_of, write_result
 
 POLICY = Policy(
     name="lossless-draft_model",

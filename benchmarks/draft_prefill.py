@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specagent import SpecRuntime
 from specagent.chat import render_prompt
 from specagent.measuring.agent_bench import agent_policies, load_episodes
-from specagent.measuring.bench import PROMPTS, baseline_methods, dtypes_of, geomean, write_result
+from specagent.measuring.baselines import baseline_methods
+from specagent.measuring.bench import PROMPTS
+from specagent.measuring.records import dtypes_of, geomean, write_result
 
 
 def main() -> None:

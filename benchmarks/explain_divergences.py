@@ -30,7 +30,7 @@ from specagent.measuring.agent_bench import (
     _run_episode,
     load_episodes,
 )
-from specagent.measuring.bench import baseline_methods
+from specagent.measuring.baselines import baseline_methods
 from specagent.measuring.divergence import explain_divergence
 
 PLAIN = Policy(name="plain", description="no drafting", mode="lossless", drafter={"kind": "none"})

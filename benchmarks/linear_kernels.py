@@ -28,7 +28,7 @@ from specagent.catalog import resolve_model
 from specagent.decoding.engine import crop_to
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.kernels import LinearPlan, PackedWeights
-from specagent.measuring.bench import write_result
+from specagent.measuring.records import write_result
 
 
 def main() -> None:

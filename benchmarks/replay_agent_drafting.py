@@ -60,8 +60,9 @@ from specagent.measuring.agent_bench import (
     agent_policies,
     load_episodes,
 )
-from specagent.measuring.bench import PROMPTS, dtypes_of
+from specagent.measuring.bench import PROMPTS
 from specagent.measuring.evaluation.prompts import load_prompt_set
+from specagent.measuring.records import dtypes_of
 
 TENANT = "replay"
 

@@ -39,7 +39,7 @@ from specagent.catalog import resolve_model
 from specagent.chat import render_prompt
 from specagent.machine import machine_info, machine_kind
 from specagent.measuring.agent_bench import load_episodes
-from specagent.measuring.bench import baseline_methods
+from specagent.measuring.baselines import baseline_methods
 from specagent.measuring.evaluation import load_prompt_set
 
 

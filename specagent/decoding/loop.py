@@ -255,19 +255,10 @@ def speculative_steps(
         else:
             tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
             step = _joined(forced, proposal, tail)
-            masks = _masks_and_rewind(constraint, step) if constraint is not None else None
-            rows = len(step.tokens) + 1
-            logits = yield ForwardRequest(  # [k+1, V]
-                target, [*unfed, context[-1], *step.tokens], cache, keep=rows if unfed else None
+            verdict = yield from _chain_step(
+                target, step, unfed, context, cache, constraint, prefixes, params, rule, generator
             )
-            if logits is None:
-                raise RuntimeError("a forward request must be answered with its logits")
-            if unfed:
-                unfed = _kept(prefixes, target, context, cache)
-            if masks is not None:
-                logits = logits.masked_fill(~to_device(masks, logits.device), float("-inf"))
-            verdict = _verify(step, logits, params, rule, generator)
-            crop_to(cache, len(context) + verdict.num_accepted)
+            unfed = []  # fed with the first forward, and kept for later calls
             accepted = counters.record(
                 proposed, verdict, len(forced.tokens), len(tail.tokens), proposal.source
             )
@@ -288,6 +279,37 @@ def speculative_steps(
             yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
             return
         yield DecodeEvent(new, counters)
+
+
+def _chain_step(
+    target: Runner,
+    step: Proposal,
+    unfed: list[int],
+    context: list[int],
+    cache: KVSequence,
+    constraint: TokenConstraint | None,
+    prefixes: Prefixes | None,
+    params: SamplingParams,
+    rule: RelaxedRule | None,
+    generator: torch.Generator,
+) -> Generator[ForwardRequest, torch.Tensor | None, Verdict]:
+    """One forward over the prompt's unfed rest (first step only), the last token and the
+    step's tokens, each row masked by the grammar, verified; the cache cut to what was
+    accepted."""
+    masks = _masks_and_rewind(constraint, step) if constraint is not None else None
+    rows = len(step.tokens) + 1
+    logits = yield ForwardRequest(  # [k+1, V]
+        target, [*unfed, context[-1], *step.tokens], cache, keep=rows if unfed else None
+    )
+    if logits is None:
+        raise RuntimeError("a forward request must be answered with its logits")
+    if unfed:
+        _kept(prefixes, target, context, cache)
+    if masks is not None:
+        logits = logits.masked_fill(~to_device(masks, logits.device), float("-inf"))
+    verdict = _verify(step, logits, params, rule, generator)
+    crop_to(cache, len(context) + verdict.num_accepted)
+    return verdict
 
 
 def _tree_step(

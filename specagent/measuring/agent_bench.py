@@ -41,8 +41,9 @@ from ..machine import machine_info
 from ..policy import Policy
 from ..policy.schema import DrafterConfig
 from ..runtime import SpecRuntime
-from .bench import Method, baseline_methods, dtypes_of, geomean, peak_rss_mb
+from .baselines import Method, prepared_methods
 from .divergence import explain_divergence, tally_differences
+from .records import dtypes_of, geomean, peak_rss_mb
 
 __all__ = [
     "AgentBenchResult",
@@ -175,29 +176,16 @@ def run_agent_bench(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     episodes = episodes if episodes is not None else load_episodes()
-    runs = {**baseline_methods(runtime, max_new_tokens), **(baselines or {})}
+    own: dict[str, Method] = {}
     for policy in runtime.policies:
         if policy.name != "default":
             name = f"specagent_{policy.name}"
-            runs[name] = _spec_method(runtime, policy.name, max_new_tokens, reuse=False)
+            own[name] = _spec_method(runtime, policy.name, max_new_tokens, reuse=False)
             if runtime.prefix_cache is not None:
-                runs[f"{name}+reuse"] = _spec_method(
+                own[f"{name}+reuse"] = _spec_method(
                     runtime, policy.name, max_new_tokens, reuse=True
                 )
-    if methods is not None:
-        only = set(methods)
-        unknown = only - set(runs)
-        if unknown:
-            raise ValueError(f"unknown bench methods {sorted(unknown)}; known: {sorted(runs)}")
-        runs = {name: run for name, run in runs.items() if name == "plain" or name in only}
-    warm = render_prompt(
-        [{"role": "user", "content": "Hi"}], runtime.tokenizer, vocab_size=runtime.vocab_size
-    )
-    for name, method in runs.items():
-        method(warm, 0)
-        log(f"warmed up {name}")
-    if not runtime.wait_measured(timeout=3600):
-        log("step costs still being measured after an hour; timing anyway")
+    runs = prepared_methods(runtime, own, max_new_tokens, methods, baselines, log)
 
     out = AgentBenchResult(target_name, draft_name, max_new_tokens, str(runtime.device), repeats)
     out.precision = dtypes_of(runtime)

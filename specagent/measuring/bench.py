@@ -16,24 +16,21 @@ measured where it is used. Each round samples with its own seed.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from ..chat import render_prompt
-from ..machine import machine_info, machine_kind
+from ..machine import machine_info
 from ..policy import Policy
 from ..policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
 from ..runtime import SpecRuntime
+from .baselines import Method, prepared_methods
 from .divergence import explain_divergence, tally_differences
+from .records import dtypes_of, geomean, peak_rss_mb
 
 __all__ = ["PROMPTS", "BenchResult", "run_bench", "write_chart"]
 
@@ -196,38 +193,20 @@ def run_bench(
     same model files (``llama_server.llama_server_methods``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    only = set(methods) if methods is not None else None
     prompts = prompts or PROMPTS
-    tokenizer = runtime.tokenizer
-    if tokenizer is None:
-        raise ValueError("the benchmark renders chat prompts: the runtime needs a tokenizer")
     out = BenchResult(target_name, draft_name, max_new_tokens, str(runtime.device))
     out.precision = dtypes_of(runtime)
-
-    runs = {**baseline_methods(runtime, max_new_tokens), **(baselines or {})}
     sampled = {f"specagent_{p.name}" for p in runtime.policies if p.sampling.temperature > 0}
-    for policy in runtime.policies:
-        if policy.name == "default":
-            continue
-        runs[f"specagent_{policy.name}"] = _spec_method(runtime, policy.name, max_new_tokens)
-    if only is not None:
-        unknown = only - set(runs)
-        if unknown:
-            msg = f"unknown bench methods {sorted(unknown)}; known: {sorted(runs)}"
-            raise ValueError(msg)
-        runs = {name: run for name, run in runs.items() if name == "plain" or name in only}
-
-    def rendered(messages: list[dict[str, str]]) -> list[int]:
-        return render_prompt(messages, tokenizer, vocab_size=runtime.vocab_size)
-
-    warm_ids = rendered([{"role": "user", "content": "Hi"}])
-    for name, method in runs.items():  # warm-up: kernels, allocator
-        method(warm_ids, 0)
-        log(f"warmed up {name}")
-    if not runtime.wait_measured(timeout=3600):  # timed runs must not share the worker with it
-        log("step costs still being measured after an hour; timing anyway")
-
-    rendered_prompts = {name: rendered(messages) for name, messages in prompts.items()}
+    own = {
+        f"specagent_{policy.name}": _spec_method(runtime, policy.name, max_new_tokens)
+        for policy in runtime.policies
+        if policy.name != "default"
+    }
+    runs = prepared_methods(runtime, own, max_new_tokens, methods, baselines, log)
+    rendered_prompts = {
+        name: render_prompt(messages, runtime.tokenizer, vocab_size=runtime.vocab_size)
+        for name, messages in prompts.items()
+    }
     rounds: dict[str, dict[str, list[MethodResult]]] = {p: {} for p in prompts}
     differ: list[tuple[MethodResult, list[int], list[int], list[int]]] = []
     for round_index in range(repeats):
@@ -276,144 +255,6 @@ def run_bench(
         if row.equal_to_plain is not None
     )
     return out
-
-
-Method = Callable[[list[int], int], tuple[list[int], Any]]
-"""A decoding method under test: prompt ids and a round's seed -> output ids and stats."""
-
-
-def baseline_methods(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Method]:
-    """What a user of the runtime's engine would run instead: on transformers, greedy
-    ``generate`` on the runtime's own model objects (so in its dtype): plain, prompt lookup (6
-    tokens, as specagent's prompt lookup here) and, with a draft model, assisted generation; on
-    llama.cpp, llama-cpp-python on the same GGUF (``llama_cpp_baselines``). Outputs stop at
-    EOS, as specagent's do."""
-    if runtime.engine == "llama.cpp":
-        return llama_cpp_baselines(runtime, max_new_tokens)
-    target, draft = runtime.target, runtime.draft
-    eos = runtime.eos_token_ids
-
-    def hf(ids: list[int], **kwargs: Any) -> list[int]:
-        # Greedy: the round's seed (the second argument of every method) does not apply.
-        inputs = torch.tensor([ids], device=runtime.device)
-        generated = target.generate(
-            inputs,
-            attention_mask=torch.ones_like(inputs),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos or None,
-            pad_token_id=eos[0] if eos else 0,
-            **kwargs,
-        )
-        tokens = generated[0, len(ids) :].tolist()
-        return [t for t in tokens if t not in eos]
-
-    runs: dict[str, Method] = {
-        "plain": lambda ids, seed: (hf(ids), None),
-        "hf_prompt_lookup": lambda ids, seed: (hf(ids, prompt_lookup_num_tokens=6), None),
-    }
-    if draft is not None:
-        runs["hf_assisted"] = lambda ids, seed: (hf(ids, assistant_model=draft), None)
-    return runs
-
-
-LOOKUP_TOKENS = 10
-"""llama-cpp-python's prompt-lookup drafter's own default draft length."""
-
-
-def llama_cpp_baselines(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Method]:
-    """llama-cpp-python's ``Llama`` (what ChatLlamaCpp runs) on the runtime's own GGUF file,
-    with the same threads: ``plain`` greedy decoding, and ``llama_prompt_lookup`` with its
-    prompt-lookup drafter (``LlamaPromptLookupDecoding``, the speculative mode it exposes;
-    llama-server's draft-model and n-gram modes are not reachable from Python). Each keeps its
-    own KV between calls and reuses the longest common prefix, as an agent's process would."""
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    model = runtime.target
-    eos = set(runtime.eos_token_ids)
-
-    def load(**options: Any) -> Any:
-        with _extra_buffer_types(model.fast_paths.enabled("repack")):
-            return Llama(
-                model_path=str(model.path),
-                n_ctx=min(model.context_tokens, 16384),
-                n_threads=model.threads,
-                n_threads_batch=model.threads,
-                n_batch=model.batch_tokens,
-                flash_attn=model.flash_attention,
-                verbose=False,
-                **options,
-            )
-
-    def greedy(llm: Any) -> Method:
-        def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
-            out: list[int] = []
-            for token in llm.generate(
-                ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
-            ):
-                if token in eos:
-                    break
-                out.append(int(token))
-                if len(out) >= max_new_tokens:
-                    break
-            return out, None
-
-        return run
-
-    lookup = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-    return {
-        "plain": greedy(load()),
-        "llama_prompt_lookup": greedy(load(draft_model=lookup)),
-    }
-
-
-@contextlib.contextmanager
-def _extra_buffer_types(enabled: bool) -> Iterator[None]:
-    """llama-cpp-python's ``Llama`` with weight repacking as the engine proved it here:
-    ``Llama`` takes no option for it and loads in its constructor, so the default model
-    parameters it starts from are set for the duration (on a machine where repacking crashes,
-    a ``Llama`` as shipped dies at its first forward of two tokens)."""
-    import llama_cpp.llama_cpp as low_level
-
-    default = low_level.llama_model_default_params
-
-    def params() -> Any:
-        made = default()
-        made.use_extra_bufts = enabled
-        return made
-
-    low_level.llama_model_default_params = params
-    try:
-        yield
-    finally:
-        low_level.llama_model_default_params = default
-
-
-def dtypes_of(runtime: SpecRuntime) -> dict[str, Any]:
-    """Each model's dtype and why (``runtime.precision``), or just the dtype; a draft's entry
-    also says how many rows of its head its logits cover (``head_rows``, None: all)."""
-    dtypes = dict(runtime.precision) or {
-        role: str(next(model.parameters()).dtype).removeprefix("torch.")
-        for role, model in (("target", runtime.target), ("draft", runtime.draft))
-        if model is not None
-    }
-    if runtime.draft is not None:
-        draft = dtypes["draft"]
-        draft = dict(draft) if isinstance(draft, dict) else {"dtype": draft}
-        dtypes["draft"] = {**draft, "head_rows": runtime.draft_head_rows}
-    return dtypes
-
-
-def peak_rss_mb() -> float | None:
-    """Peak resident memory of this process in MiB (None where the OS does not say)."""
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return round(peak * scale / 2**20, 1)
 
 
 def _median_round(rows: list[MethodResult]) -> MethodResult:
@@ -496,12 +337,6 @@ def _vs_best(mine: Mapping[str, float], best: Mapping[str, float]) -> dict[str, 
     }
 
 
-def geomean(values: Iterable[float]) -> float:
-    """Geometric mean of ratios (0.0 for none; a zero ratio counts as 1e-9, not as log 0)."""
-    items = [max(v, 1e-9) for v in values]
-    return math.exp(sum(math.log(v) for v in items) / len(items)) if items else 0.0
-
-
 def write_chart(result: BenchResult, path: Path) -> None:
     """A grouped bar chart of speed-up against plain decoding, per prompt and method."""
     import matplotlib
@@ -544,20 +379,3 @@ def save(result: BenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
     json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
     write_chart(result, png_path)
     return json_path, png_path
-
-
-def write_result(result: dict[str, Any], out_dir: Path, stem: str, started: float) -> Path:
-    """A benchmark script's JSON (``out_dir/<stem>_<machine kind>.json``: a newer run on the
-    same kind of machine replaces it): its numbers, then the process's peak resident memory,
-    the seconds since ``started`` and the machine it ran on."""
-    machine = machine_info()
-    full = {
-        **result,
-        "peak_rss_mb": peak_rss_mb(),
-        "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine,
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}_{machine_kind(machine)}.json"
-    path.write_text(json.dumps(full, indent=1) + "\n")
-    return path

@@ -9,7 +9,7 @@ from typing import Any
 
 from ...decoding.costs import CostModel
 from ...policy import Policy
-from ..bench import geomean
+from ..records import geomean
 
 __all__ = ["EvalReport", "PromptScore", "SettingReport", "setting_label", "write_chart"]
 
