@@ -55,25 +55,7 @@ def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto"
         raise SpecAgentError(
             'the demo needs the LangChain extra: pip install "specagent[langchain]"'
         ) from exc
-    from ..engines import describe
-    from ..policy import shipped_policies
-    from ..runtime import SpecRuntime
-
-    target, draft = PAIRS[pair] if pair else (DEFAULT_MODEL, None)
-    print(
-        f"loading {target}" + (f" with draft {draft}" if draft else " (drafting by prompt lookup)"),
-        flush=True,
-    )
-    runtime = SpecRuntime.from_pretrained(
-        target,
-        draft=draft,
-        policies=policies if policies is not None else shipped_policies(),
-        engine=engine,
-    )
-    for line in describe(runtime.engine_choice):
-        print(line, flush=True)
-    for role, choice in runtime.precision.items():
-        print(f"{role} runs in {choice['dtype']}: {choice['reason']}", flush=True)
+    runtime = _loaded(pair, policies, engine)
 
     @tool
     def lookup_order(
@@ -148,6 +130,30 @@ def run_demo(pair: str | None = None, policies: Any = None, engine: str = "auto"
     if not problems:
         print("\nchecks passed: the tool call names the order; the answer gives its facts")
     return 1 if problems else 0
+
+
+def _loaded(pair: str | None, policies: Any, engine: str) -> Any:
+    """The demo's runtime, saying what it loads, which engine runs it and in which dtype."""
+    from ..engines import describe
+    from ..policy import shipped_policies
+    from ..runtime import SpecRuntime
+
+    target, draft = PAIRS[pair] if pair else (DEFAULT_MODEL, None)
+    print(
+        f"loading {target}" + (f" with draft {draft}" if draft else " (drafting by prompt lookup)"),
+        flush=True,
+    )
+    runtime = SpecRuntime.from_pretrained(
+        target,
+        draft=draft,
+        policies=policies if policies is not None else shipped_policies(),
+        engine=engine,
+    )
+    for line in describe(runtime.engine_choice):
+        print(line, flush=True)
+    for role, choice in runtime.precision.items():
+        print(f"{role} runs in {choice['dtype']}: {choice['reason']}", flush=True)
+    return runtime
 
 
 def _check(tool_args: dict, answer: str) -> list[str]:

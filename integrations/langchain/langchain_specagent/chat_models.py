@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from operator import itemgetter
 from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -22,16 +21,10 @@ from langchain_core.messages import (
     AIMessageChunk,
     BaseMessage,
 )
-from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
-from langchain_core.output_parsers.openai_tools import (
-    JsonOutputKeyToolsParser,
-    PydanticToolsParser,
-)
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from opentelemetry import context as otel_context
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
@@ -40,6 +33,7 @@ from specagent.backend import Backend
 from specagent.calls import CallSpec, run_call, split_model, tool_choice_name
 from specagent.runtime.portal import iterate_sync
 
+from ._structured import structured_output
 from ._translate import final_chunk, to_chat_message
 
 __all__ = ["ChatSpecAgent"]
@@ -301,48 +295,7 @@ class ChatSpecAgent(BaseChatModel):
         compatibility: constrained decoding is always strict."""
         if kwargs:
             raise ValueError(f"unexpected arguments: {sorted(kwargs)}")
-        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser: Runnable[Any, Any]
-        if method == "function_calling":
-            if schema is None:
-                raise ValueError("method='function_calling' needs a schema")
-            tool = convert_to_openai_tool(schema)
-            name = tool["function"]["name"]
-            llm = self.bind_tools(
-                [schema],
-                tool_choice=name,
-                ls_structured_output_format={"kwargs": {"method": method}, "schema": tool},
-            )
-            if is_pydantic:
-                parser = PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
-            else:
-                parser = JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
-        elif method == "json_schema":
-            if schema is None:
-                raise ValueError("method='json_schema' needs a schema")
-            json_schema = convert_to_json_schema(schema)
-            llm = self.bind(
-                response_format={"type": "json_schema", "json_schema": {"schema": json_schema}},
-                ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema},
-            )
-            parser = _json_parser(schema, is_pydantic)
-        elif method == "json_mode":
-            llm = self.bind(
-                response_format={"type": "json_object"},
-                ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
-            )
-            parser = _json_parser(schema, is_pydantic)
-        else:
-            msg = f"unknown method {method!r}; expected json_schema, function_calling or json_mode"
-            raise ValueError(msg)
-        if not include_raw:
-            return llm | parser
-        parsed = RunnablePassthrough.assign(
-            parsed=itemgetter("raw") | parser, parsing_error=lambda _: None
-        ).with_fallbacks(
-            [RunnablePassthrough.assign(parsed=lambda _: None)], exception_key="parsing_error"
-        )
-        return RunnableMap(raw=llm) | parsed
+        return structured_output(self, schema, method, include_raw)
 
     # ------------------------------------------------------------------ the one async core
 
@@ -462,12 +415,3 @@ class ChatSpecAgent(BaseChatModel):
             for key, value in ((output or {}).get("token_usage") or {}).items():
                 usage[key] = usage.get(key, 0) + value
         return {"token_usage": usage, "model_name": self._model_name()}
-
-
-# --------------------------------------------------------------------------- translation helpers
-
-
-def _json_parser(schema: Any, is_pydantic: bool) -> Runnable[Any, Any]:
-    if is_pydantic:
-        return PydanticOutputParser(pydantic_object=schema)
-    return JsonOutputParser()
