@@ -44,7 +44,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...decoding.engine import crop_to, cropped_length, keep_path, kept_sequence, to_device
 
-__all__ = ["PoolFull", "SlotBatch", "SlotPool", "SlotSequence", "batch_mask", "slot_shapes"]
+__all__ = [
+    "PoolFull",
+    "SlotBatch",
+    "SlotPool",
+    "SlotSequence",
+    "batch_mask",
+    "slot_shapes",
+]
 
 
 def slot_shapes(config: Any) -> tuple[int, int, int] | None:
