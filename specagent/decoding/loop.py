@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from .acceptance import RelaxedRule, Verdict, verify_greedy, verify_lossless, verify_relaxed
-from .drafters.base import Drafter, admissible
+from .constrained import (
+    consume_until_complete,
+    joined,
+    masks_and_rewind,
+    one_hot,
+    take_forced,
+)
+from .drafters.base import Drafter
 from .engine import (
     ForwardRequest,
     KVSequence,
@@ -228,7 +235,7 @@ def speculative_steps(
     while True:
         # Room: every step writes k + 1 positions after the context and emits up to k + 1 tokens.
         room = min(max_new_tokens - len(output), limit - len(context))
-        forced = _take_forced(constraint, int(min(room - 1, 1 << 30)))
+        forced = take_forced(constraint, int(min(room - 1, 1 << 30)))
         room -= len(forced.tokens)
         k = schedule.next_k(int(min(room - 1, 1 << 30))) if drafter is not None else 0
         complete = constraint is not None and constraint.is_stopped()  # forced to the end
@@ -253,8 +260,8 @@ def speculative_steps(
                 drafter.observe_tree(tree, judged.path)
             new = [*(tree.tokens[node] for node in judged.path), judged.next_token]
         else:
-            tail = _take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
-            step = _joined(forced, proposal, tail)
+            tail = take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
+            step = joined(forced, proposal, tail)
             verdict = yield from _chain_step(
                 target, step, unfed, context, cache, constraint, prefixes, params, rule, generator
             )
@@ -296,7 +303,7 @@ def _chain_step(
     """One forward over the prompt's unfed rest (first step only), the last token and the
     step's tokens, each row masked by the grammar, verified; the cache cut to what was
     accepted."""
-    masks = _masks_and_rewind(constraint, step) if constraint is not None else None
+    masks = masks_and_rewind(constraint, step) if constraint is not None else None
     rows = len(step.tokens) + 1
     logits = yield ForwardRequest(  # [k+1, V]
         target, [*unfed, context[-1], *step.tokens], cache, keep=rows if unfed else None
@@ -352,7 +359,7 @@ def _emit(
             break
     new = new[: max_new_tokens - len(output)]
     if constraint is not None:
-        new = _consume_until_complete(constraint, new)
+        new = consume_until_complete(constraint, new)
         if constraint.is_stopped():
             finish = "stop"
     output.extend(new)
@@ -392,66 +399,6 @@ def _keep_for_later(
         drafter.leave_cache()
 
 
-def _take_forced(constraint: TokenConstraint | None, limit: int) -> Proposal:
-    """The tokens the grammar forces next (at most ``limit``), consumed into it, with their
-    masks: free to draft, and accepted whenever the constrained target allows only them."""
-    if constraint is None or limit <= 0 or constraint.is_stopped():
-        return EMPTY
-    tokens = constraint.forced()[:limit]
-    if not tokens:
-        return EMPTY
-    taken = admissible(tokens, constraint)
-    return Proposal(taken.tokens, masks=taken.masks, source="grammar")
-
-
-def _joined(forced: Proposal, proposal: Proposal, tail: Proposal) -> Proposal:
-    """One step's proposal: forced tokens, the drafter's, forced tokens again. A drafter that
-    samples gives q for its own tokens; forced ones are proposed deterministically (one-hot)."""
-    if not forced.tokens and not tail.tokens:
-        return proposal
-    tokens = [*forced.tokens, *proposal.tokens, *tail.tokens]
-    masks = [*(forced.masks or []), *(proposal.masks or []), *(tail.masks or [])]
-    probs = proposal.probs
-    if probs is not None:
-        probs = torch.cat([_one_hot(forced.tokens, probs), probs, _one_hot(tail.tokens, probs)])
-    return Proposal(tokens, probs=probs, masks=masks or None, source=proposal.source)
-
-
-def _one_hot(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
-    """``[len(tokens), V]`` rows of q for deterministically proposed tokens."""
-    rows = like.new_zeros(len(tokens), like.shape[-1])
-    if tokens:
-        index = torch.tensor(tokens, dtype=torch.long, device=like.device)
-        rows[torch.arange(len(tokens), device=like.device), index] = 1.0
-    return rows
-
-
-def _masks_and_rewind(constraint: TokenConstraint, proposal: Proposal) -> torch.Tensor:
-    """``[k+1, V]`` allowed-token masks: the drafted positions' (from the drafter, which consumed
-    its tokens into the constraint) and the bonus position's; then the constraint is rolled back
-    to the accepted context, since the target has not yet decided on any draft token."""
-    rows = list(proposal.masks or [])
-    if constraint.is_stopped():
-        # The drafts completed the grammar: whatever comes after them is cut off, so the bonus
-        # row only needs to be a valid distribution.
-        rows.append(torch.ones_like(rows[-1]))
-    else:
-        rows.append(constraint.allowed())
-        if not bool(rows[-1].any()):
-            raise RuntimeError("the grammar allows no token here; it cannot be completed")
-    constraint.rollback(len(proposal.tokens))
-    return torch.stack(rows)
-
-
-def _consume_until_complete(constraint: TokenConstraint, tokens: list[int]) -> list[int]:
-    """Feed emitted tokens to the constraint; drop any that follow the grammar's completion."""
-    for i, token in enumerate(tokens):
-        if constraint.is_stopped():
-            return tokens[:i]
-        constraint.consume([token])
-    return tokens
-
-
 def _verify(
     proposal: Proposal,
     logits: torch.Tensor,
@@ -465,7 +412,7 @@ def _verify(
         return verify_greedy(draft, logits, rule=rule, generator=generator)
     p = logits_to_probs(logits, params)  # [k+1, V]
     if q is None:  # deterministic proposal: q is one-hot on the proposed tokens
-        q = _one_hot(tokens, p)
+        q = one_hot(tokens, p)
     if rule is None:
         return verify_lossless(draft, q, p, generator)
     return verify_relaxed(draft, q, p, rule, generator)
