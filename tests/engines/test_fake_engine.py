@@ -16,20 +16,13 @@ from conftest import PinnedCosts
 from fake_engine import VOCAB, FakeModel, TokenSequence, table_logits
 from scipy.stats import chisquare
 
+from policies import make_policy
 from specagent import SpecRuntime
 from specagent.decoding.sampling import SamplingParams, logits_to_probs
-from specagent.policy import Policy
 
-
-def _policy(name: str, drafter: dict, mode: str = "lossless", **extra) -> Policy:
-    return Policy.model_validate(
-        {"name": name, "description": "test", "mode": mode, "drafter": drafter, **extra}
-    )
-
-
-LOOKUP = _policy("lookup", {"kind": "prompt_lookup", "num_speculative_tokens": 3})
-PLAIN = _policy("plain", {"kind": "none"})
-RELAXED = _policy(
+LOOKUP = make_policy("lookup", {"kind": "prompt_lookup", "num_speculative_tokens": 3})
+PLAIN = make_policy("plain", {"kind": "none"})
+RELAXED = make_policy(
     "relaxed",
     {"kind": "prompt_lookup", "num_speculative_tokens": 3},
     mode="relaxed",

@@ -15,6 +15,7 @@ import torch
 from conftest import PinnedCosts
 from tiny_gguf import make_qwen2, write_gguf
 
+from policies import make_policy
 from specagent import SpecRuntime
 from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
@@ -224,34 +225,17 @@ def test_greedy_speculation_equals_the_engines_plain_greedy(
 
 # ---------------------------------------------------------------------- the runtime
 
-RELAXED = Policy.model_validate(
-    {
-        "name": "relaxed-lookup",
-        "description": "test",
-        "mode": "relaxed",
-        "drafter": {"kind": "prompt_lookup", "num_speculative_tokens": 4},
-        "acceptance": {"rule": "typical", "epsilon": 0.3, "delta": 0.09},
-        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
-    }
+GREEDY_24 = {"temperature": 0.0, "max_new_tokens": 24}
+LOOKUP_4 = {"kind": "prompt_lookup", "num_speculative_tokens": 4}
+RELAXED = make_policy(
+    "relaxed-lookup",
+    LOOKUP_4,
+    mode="relaxed",
+    acceptance={"rule": "typical", "epsilon": 0.3, "delta": 0.09},
+    sampling=GREEDY_24,
 )
-LOOKUP = Policy.model_validate(
-    {
-        "name": "lookup",
-        "description": "test",
-        "mode": "lossless",
-        "drafter": {"kind": "prompt_lookup", "num_speculative_tokens": 4},
-        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
-    }
-)
-PLAIN = Policy.model_validate(
-    {
-        "name": "plain",
-        "description": "test",
-        "mode": "lossless",
-        "drafter": {"kind": "none"},
-        "sampling": {"temperature": 0.0, "max_new_tokens": 24},
-    }
-)
+LOOKUP = make_policy("lookup", LOOKUP_4, sampling=GREEDY_24)
+PLAIN = make_policy("plain", sampling=GREEDY_24)
 
 
 @pytest.fixture

@@ -9,30 +9,21 @@ import asyncio
 import pytest
 from conftest import PinnedCosts
 
-from specagent import InvalidRequestError, Policy, SpecRuntime
+from policies import make_policy
+from specagent import InvalidRequestError, SpecRuntime
 from specagent.grammar import Constraint
 
-PLAIN = Policy(name="plain", description="no drafting", mode="lossless", drafter={"kind": "none"})
+PLAIN = make_policy("plain")
 
 
-def _policy(name: str, kind: str, history: str, k: int = 8) -> Policy:
-    return Policy(
-        name=name,
-        description=f"{kind} drafting, history {history}",
-        mode="lossless",
-        drafter={"kind": kind, "num_speculative_tokens": k, "history": history},
-    )
+def _history(kind: str, history: str, **extra: object) -> dict:
+    return {"kind": kind, "num_speculative_tokens": 8, "history": history, **extra}
 
 
-SUFFIX_TENANT = _policy("suffix-tenant", "suffix", "tenant")
-AUTO_TENANT = _policy("auto-tenant", "auto", "tenant")
-AUTO_TREES = Policy(
-    name="auto-trees",
-    description="auto drafting with token trees",
-    mode="lossless",
-    drafter={"kind": "auto", "num_speculative_tokens": 8, "history": "tenant", "tree": True},
-)
-SHARED = _policy("shared", "suffix", "runtime")
+SUFFIX_TENANT = make_policy("suffix-tenant", _history("suffix", "tenant"))
+AUTO_TENANT = make_policy("auto-tenant", _history("auto", "tenant"))
+AUTO_TREES = make_policy("auto-trees", _history("auto", "tenant", tree=True))
+SHARED = make_policy("shared", _history("suffix", "runtime"))
 
 PROMPT = [{"role": "user", "content": "Summarise the meeting notes for the team."}]
 
@@ -83,7 +74,7 @@ def test_runtime_wide_history_refuses_a_call_that_names_a_tenant(target, tokeniz
 
 
 def test_call_scope_keeps_nothing(target, tokenizer) -> None:
-    policy = _policy("own", "suffix", "call")
+    policy = make_policy("own", _history("suffix", "call"))
     runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[policy], device="cpu")
     result = runtime.generate_sync(PROMPT, policy="own", tenant="acme", max_new_tokens=20)
     assert result.stats.drafter == "suffix"

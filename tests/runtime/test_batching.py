@@ -11,49 +11,37 @@ import anyio
 import pytest
 import torch
 
+from policies import make_policy
 from specagent import (
     GenerationError,
     InvalidRequestError,
-    Policy,
     PolicyNotFoundError,
     SpecRuntime,
 )
 
 pytestmark = pytest.mark.anyio
 
+
+def _fixed(kind: str, k: int) -> dict:
+    return {"kind": kind, "num_speculative_tokens": k, "adaptive": False}
+
+
 MIXED = [
-    Policy(
-        name="exact",
-        description="lossless, draft model, fixed k",
-        mode="lossless",
-        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
-    ),
-    Policy(
-        name="lookup",
-        description="lossless, prompt lookup, k=6",
-        mode="lossless",
-        drafter={"kind": "prompt_lookup", "num_speculative_tokens": 6, "adaptive": False},
-    ),
-    Policy(
-        name="relaxed",
-        description="typical acceptance, k=3",
+    make_policy("exact", _fixed("draft_model", 4)),
+    make_policy("lookup", _fixed("prompt_lookup", 6)),
+    make_policy(
+        "relaxed",
+        _fixed("draft_model", 3),
         mode="relaxed",
-        drafter={"kind": "draft_model", "num_speculative_tokens": 3, "adaptive": False},
         acceptance={"rule": "typical", "epsilon": 0.2},
     ),
-    Policy(
-        name="lenient",
-        description="lenience, k=2",
+    make_policy(
+        "lenient",
+        _fixed("draft_model", 2),
         mode="relaxed",
-        drafter={"kind": "draft_model", "num_speculative_tokens": 2, "adaptive": False},
         acceptance={"rule": "lenience", "lenience": 0.4},
     ),
-    Policy(
-        name="plain",
-        description="no drafting",
-        mode="lossless",
-        drafter={"kind": "none"},
-    ),
+    make_policy("plain"),
 ]
 
 

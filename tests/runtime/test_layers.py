@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from policies import make_policy
 from specagent import Backend, InvalidRequestError, Policy, SpecRuntime
 from specagent.call import Call
 from specagent.calls import CallSpec, constraint_for, run_call, tool_choice_name
@@ -20,17 +21,10 @@ from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.schedule import FixedSchedule
 from specagent.results import StreamChunk
 
-ADAPTIVE = Policy(
-    name="adaptive",
-    description="draft model, adaptive k",
-    mode="lossless",
-    drafter={"kind": "draft_model", "num_speculative_tokens": 6},
-)
-LOOKUP = Policy(
-    name="lookup",
-    description="prompt lookup, fixed k",
-    mode="lossless",
-    drafter={"kind": "prompt_lookup", "num_speculative_tokens": 3, "adaptive": False},
+ADAPTIVE = make_policy("adaptive", {"kind": "draft_model", "num_speculative_tokens": 6})
+LOOKUP = make_policy(
+    "lookup",
+    {"kind": "prompt_lookup", "num_speculative_tokens": 3, "adaptive": False},
     match={"tags": ["extract"]},
 )
 

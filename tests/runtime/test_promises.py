@@ -20,6 +20,7 @@ from conftest import PinnedCosts
 from engine_pairs import ENGINES
 from tiny_gguf import make_qwen2, write_gguf
 
+from policies import make_policy
 from specagent import Policy, SpecRuntime
 
 CLAUSE = [{"role": "user", "content": "Draft a clause about late delivery of the goods."}]
@@ -30,28 +31,18 @@ OTHERS = [
 
 def _policies() -> list[Policy]:
     return [
-        Policy(
-            name="clause",
-            description="reproducible, sampled, adaptive draft lengths",
-            mode="lossless",
+        make_policy(
+            "clause",
+            {"kind": "auto", "num_speculative_tokens": 8, "history": "call"},
             reproducible=True,
-            drafter={"kind": "auto", "num_speculative_tokens": 8, "history": "call"},
             sampling={"temperature": 1.0, "max_new_tokens": 40, "seed": 11},
         ),
-        Policy(
-            name="tenant-lookup",
-            description="drafts from the tenant's history",
-            mode="lossless",
-            drafter={"kind": "auto", "num_speculative_tokens": 8, "history": "tenant"},
+        make_policy(
+            "tenant-lookup",
+            {"kind": "auto", "num_speculative_tokens": 8, "history": "tenant"},
             sampling={"temperature": 0.0, "max_new_tokens": 24},
         ),
-        Policy(
-            name="plain",
-            description="no drafting",
-            mode="lossless",
-            drafter={"kind": "none"},
-            sampling={"temperature": 0.0, "max_new_tokens": 24},
-        ),
+        make_policy("plain", sampling={"temperature": 0.0, "max_new_tokens": 24}),
     ]
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_model, make_tokenizer, perturbed_copy
 
+from policies import make_policy
 from specagent import (
     ContextLengthError,
     IncompatibleDraftError,
@@ -25,40 +26,25 @@ from specagent import (
     shipped_policies,
 )
 
+DRAFT_4 = {"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False}
 POLICIES = [
-    Policy(
-        name="exact",
-        description="lossless test policy",
-        mode="lossless",
-        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
-        match={"tags": ["legal"]},
-    ),
-    Policy(
-        name="fast",
-        description="relaxed test policy",
+    make_policy("exact", DRAFT_4, match={"tags": ["legal"]}),
+    make_policy(
+        "fast",
+        DRAFT_4,
         mode="relaxed",
-        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
         acceptance={"rule": "lenience", "lenience": 0.3},
         match={"tags": ["summary"]},
     ),
-    Policy(
-        name="budget",
-        description="relaxed with a tiny budget",
+    make_policy(
+        "budget",
+        DRAFT_4,
         mode="relaxed",
-        drafter={"kind": "draft_model", "num_speculative_tokens": 4, "adaptive": False},
         acceptance={"rule": "lenience", "lenience": 0.05, "max_divergence": 0.001},
     ),
-    Policy(
-        name="lookup",
-        description="lossless prompt lookup",
-        mode="lossless",
-        drafter={"kind": "prompt_lookup", "num_speculative_tokens": 5},
-    ),
-    Policy(
-        name="self",
-        description="lossless early exit",
-        mode="lossless",
-        drafter={"kind": "early_exit", "early_exit_layers": 2, "num_speculative_tokens": 3},
+    make_policy("lookup", {"kind": "prompt_lookup", "num_speculative_tokens": 5}),
+    make_policy(
+        "self", {"kind": "early_exit", "early_exit_layers": 2, "num_speculative_tokens": 3}
     ),
 ]
 

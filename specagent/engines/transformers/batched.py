@@ -14,11 +14,11 @@ from transformers import DynamicCache
 
 from ...decoding.engine import Tokens, crop_to, to_device, token_rows
 from .compiled import serial_forwards
-from .slots import SlotBatch, SlotSequence, batch_mask
+from .slots import SlotBatch, SlotSequence
 from .state import RunnerState
 from .views import plain_layers
 
-__all__ = ["ALONE_ROWS", "BatchedForwards", "cache_for"]
+__all__ = ["ALONE_ROWS", "BatchedForwards", "batch_mask", "cache_for"]
 
 ALONE_ROWS = 32
 """A forward over this many tokens (a first step that feeds a prompt) runs alone, not in a
@@ -302,3 +302,22 @@ def cache_for(cache: Any, count: int) -> Any:
         if cache.own is not None:
             return cache.own
     return cache
+
+
+def batch_mask(
+    starts: Sequence[int], counts: Sequence[int], widest: int, kv_length: int, dtype: Any
+) -> torch.Tensor:
+    """``[B, 1, widest, kv_length]``: row ``b``'s query ``j`` (``j < counts[b]``) sees its own
+    positions up to ``starts[b] + j``; a padding query sees the row's first position (its
+    output is dropped; a row of nothing but masked keys would give NaN). ``dtype`` None: a
+    boolean mask (True: attend); else additive (0 or the dtype's lowest value)."""
+    start = torch.tensor(list(starts), dtype=torch.long)[:, None, None]
+    count = torch.tensor(list(counts), dtype=torch.long)[:, None, None]
+    query = torch.arange(widest)[None, :, None]
+    key = torch.arange(kv_length)[None, None, :]
+    visible = key <= start + torch.minimum(query, count - 1).clamp(min=0)
+    visible = visible[:, None]
+    if dtype is None:
+        return visible
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(visible, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))

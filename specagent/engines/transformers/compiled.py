@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ...decoding.engine import Tokens, crop_to, to_device, token_rows
-from .slots import SlotPool, SlotSequence
+from .slots import PoolLayer, SlotPool, SlotSequence
 
 __all__ = [
     "MIN_GAIN",
@@ -87,22 +87,16 @@ def serial_forwards() -> contextlib.AbstractContextManager[Any]:
     return _SERIAL if _COMPILED else contextlib.nullcontext()
 
 
-class _PoolLayer(CacheLayerMixin):
+class _PoolLayer(PoolLayer):
     """One layer of a ``_PoolView``: writes each active row's new keys and values at its own
     positions (a padding row writes back what it read) and returns the rows' slots up to the
     view's span."""
 
     is_compileable = True
-    is_sliding = False
 
     def __init__(self, view: _PoolView, index: int) -> None:
-        super().__init__()
+        super().__init__(view.pool, index)
         self.view = view
-        self.index = index
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -126,9 +120,6 @@ class _PoolLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return 0  # positions come with the forward; nothing reads the cache's own length
-
-    def get_max_length(self) -> int:
-        return self.view.pool.capacity
 
 
 class _PoolView(Cache):

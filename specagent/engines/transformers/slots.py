@@ -46,10 +46,10 @@ from ...decoding.engine import crop_to, cropped_length, keep_path, kept_sequence
 
 __all__ = [
     "PoolFull",
+    "PoolLayer",
     "SlotBatch",
     "SlotPool",
     "SlotSequence",
-    "batch_mask",
     "slot_shapes",
 ]
 
@@ -326,21 +326,36 @@ class SlotSequence:
             pool._release(self.slot)
 
 
-class _SlotLayer(CacheLayerMixin):
-    """One layer of a ``SlotBatch``: writes each row's new keys and values at its own positions
-    and returns the batch's rows of the pool up to the longest row."""
+class PoolLayer(CacheLayerMixin):
+    """One layer of a ``Cache`` over a ``SlotPool``'s buffers for one forward (a ``SlotBatch``,
+    or a compiled forward's view of the pool's first slots): each subclass's ``update`` writes
+    the new keys and values where their rows belong and returns the keys and values attended;
+    nothing is allocated here."""
 
-    is_compileable = False
     is_sliding = False
 
-    def __init__(self, batch: SlotBatch, index: int) -> None:
+    def __init__(self, pool: SlotPool, index: int) -> None:
         super().__init__()
-        self.batch = batch
+        self.pool = pool
         self.index = index
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
+
+    def get_max_length(self) -> int:
+        return self.pool.capacity
+
+
+class _SlotLayer(PoolLayer):
+    """One layer of a ``SlotBatch``: writes each row's new keys and values at its own positions
+    and returns the batch's rows of the pool up to the longest row."""
+
+    is_compileable = False
+
+    def __init__(self, batch: SlotBatch, index: int) -> None:
+        super().__init__(batch.pool, index)
+        self.batch = batch
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -365,9 +380,6 @@ class _SlotLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return min(self.batch.starts)
-
-    def get_max_length(self) -> int:
-        return self.batch.pool.capacity
 
 
 class SlotBatch(Cache):
@@ -394,25 +406,6 @@ class SlotBatch(Cache):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SlotBatch:  # pragma: no cover - never kept
         raise TypeError("a SlotBatch lives for one forward; keep the calls' SlotSequences")
-
-
-def batch_mask(
-    starts: Sequence[int], counts: Sequence[int], widest: int, kv_length: int, dtype: Any
-) -> torch.Tensor:
-    """``[B, 1, widest, kv_length]``: row ``b``'s query ``j`` (``j < counts[b]``) sees its own
-    positions up to ``starts[b] + j``; a padding query sees the row's first position (its
-    output is dropped; a row of nothing but masked keys would give NaN). ``dtype`` None: a
-    boolean mask (True: attend); else additive (0 or the dtype's lowest value)."""
-    start = torch.tensor(list(starts), dtype=torch.long)[:, None, None]
-    count = torch.tensor(list(counts), dtype=torch.long)[:, None, None]
-    query = torch.arange(widest)[None, :, None]
-    key = torch.arange(kv_length)[None, None, :]
-    visible = key <= start + torch.minimum(query, count - 1).clamp(min=0)
-    visible = visible[:, None]
-    if dtype is None:
-        return visible
-    zero = torch.zeros((), dtype=dtype)
-    return torch.where(visible, zero, torch.tensor(torch.finfo(dtype).min, dtype=dtype))
 
 
 @kept_sequence.register

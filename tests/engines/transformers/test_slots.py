@@ -18,7 +18,8 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from specagent import Policy, SpecRuntime
 from specagent.engines.transformers import ModelRunner
-from specagent.engines.transformers.slots import SlotPool, SlotSequence, batch_mask, slot_shapes
+from specagent.engines.transformers.batched import batch_mask
+from specagent.engines.transformers.slots import SlotPool, SlotSequence, slot_shapes
 
 VOCAB = 64
 TOL = {"atol": 1e-4, "rtol": 1e-4}
