@@ -162,7 +162,7 @@ class Runner(Protocol):
         keep: int | None = None,
         tree: list[int] | None = None,
         vocab: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [n_kept, V] float32
         """Feed ``input_ids`` after ``cache``; logits ``[n_kept, V]`` (``keep``: the last rows
         only, None: all). ``tree``: each row's parent row (``takes_trees`` runners only)."""
         ...
@@ -172,9 +172,10 @@ class Runner(Protocol):
         requests: Sequence[tuple[Tokens, Any]],
         keep: Sequence[int | None] | None = None,
         vocabs: Sequence[torch.Tensor | None] | None = None,
-    ) -> list[torch.Tensor]:
+    ) -> list[torch.Tensor]:  # each [n_kept_i, V]
         """``forward`` for several calls in one engine call, all or nothing: on failure every
-        sequence is left as it was (the caller may retry each request alone)."""
+        sequence is left as it was (the caller may retry each request alone). ``keep[i]`` and
+        ``vocabs[i]`` are request ``i``'s ``keep`` and ``vocab`` (``vocab``: 1-D ids)."""
         ...
 
 

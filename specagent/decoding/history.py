@@ -25,7 +25,7 @@ import threading
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .tenants import Tenant
+from .tenants import HistoryScope, Tenant
 
 __all__ = ["Continuation", "HistoryStore", "SuffixIndex", "continuation", "runner_up"]
 
@@ -384,10 +384,10 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _tenant_in(key: Hashable) -> Hashable:
-    """The tenant a history key belongs to (``("tenant", t)``, ``("policy", t, name)``), or
-    the key itself (``("runtime",)`` and keys of other shapes)."""
-    if isinstance(key, tuple) and len(key) >= 2 and key[0] in ("tenant", "policy"):
-        return key[1]
+    """The tenant a history key belongs to (a ``HistoryScope``'s), or the key itself (the
+    runtime-wide scope, and keys of other kinds)."""
+    if isinstance(key, HistoryScope) and key.tenant is not None:
+        return key.tenant
     return key
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MAX_NAME_CHARS", "Tenant", "tenant_of"]
+__all__ = ["MAX_NAME_CHARS", "HistoryScope", "Tenant", "tenant_of"]
 
 MAX_NAME_CHARS = 256
 
@@ -45,3 +45,13 @@ def tenant_of(value: str | Tenant | None) -> Tenant | None:
     if isinstance(value, str):
         return Tenant(value)
     raise ValueError(f"tenant must be a string or a Tenant, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class HistoryScope:
+    """Whose earlier calls' text a call drafts from, and where its own is kept
+    (``decoding.history.HistoryStore``'s key): a tenant's, under one policy only where
+    ``policy`` names it; with no tenant, the whole runtime's (single-tenant deployments)."""
+
+    tenant: Tenant | str | None = None
+    policy: str | None = None

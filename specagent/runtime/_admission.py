@@ -16,7 +16,7 @@ from ..call import Call
 from ..chat import Prompt, render_prompt
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
-from ..decoding.tenants import Tenant, tenant_of
+from ..decoding.tenants import HistoryScope, Tenant, tenant_of
 from ..engines import EngineModel
 from ..errors import ContextLengthError, InvalidRequestError, PolicyError
 from ..grammar import GrammarState, compile_constraint
@@ -43,7 +43,7 @@ class Request:
     explicit_max_tokens: bool
     grammar: GrammarState | None = None
     tenant: Tenant | None = None
-    history_key: tuple[Any, ...] | None = None
+    history_key: HistoryScope | None = None
     """Whose earlier text this call may draft from, and where its own text is kept (None:
     its own context only, nothing kept)."""
 
@@ -141,7 +141,7 @@ class Admission:
         )
 
 
-def history_key(policy: Policy, tenant: Tenant | None) -> tuple[Any, ...] | None:
+def history_key(policy: Policy, tenant: Tenant | None) -> HistoryScope | None:
     """The key of the history a call reads and writes (``drafter.history``); the tenant is part
     of every key but the runtime-wide one, which refuses calls that name a tenant. A call with
     no tenant shares nothing under ``policy`` and ``tenant`` history: callers who are one
@@ -154,9 +154,9 @@ def history_key(policy: Policy, tenant: Tenant | None) -> tuple[Any, ...] | None
     if tenant is None and scope in ("policy", "tenant"):
         return None  # isolation by default: a call that names no one drafts from itself only
     if scope == "policy":
-        return ("policy", tenant, policy.name)
+        return HistoryScope(tenant, policy.name)
     if scope == "tenant":
-        return ("tenant", tenant)
+        return HistoryScope(tenant)
     if tenant is not None:
         msg = (
             f"policy {policy.name!r} shares drafting history across the whole runtime "
@@ -164,7 +164,7 @@ def history_key(policy: Policy, tenant: Tenant | None) -> tuple[Any, ...] | None
             "use drafter.history: tenant"
         )
         raise InvalidRequestError(msg)
-    return ("runtime",)
+    return HistoryScope()
 
 
 def drafter_kind(policy: Policy, has_draft_model: bool) -> str:

@@ -19,6 +19,7 @@ from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import SuffixDrafter
 from specagent.decoding.history import NGRAMS, HistoryStore, SuffixIndex, continuation
 from specagent.decoding.sampling import SamplingParams
+from specagent.decoding.tenants import HistoryScope
 
 
 def brute_force(docs: list[list[int]], context: list[int], limit: int) -> tuple[list[int], int]:
@@ -91,12 +92,14 @@ def test_removing_a_document_forgets_it_and_its_entries() -> None:
 def test_store_evicts_the_oldest_within_its_budget_and_reports_memory() -> None:
     store = HistoryStore(max_tokens=50)
     for i in range(10):
-        store.record(("tenant", "a"), [100 + i] * 3, [i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6])
+        store.record(
+            HistoryScope("a"), [100 + i] * 3, [i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6]
+        )
     stats = store.stats()
     assert stats["tokens"] <= 50
     assert 0 < stats["documents"] < 10
     assert stats["entries"] > 0
-    (index,) = store.indexes(("tenant", "a"))
+    (index,) = store.indexes(HistoryScope("a"))
     assert 0 not in index.docs  # the first call's text went first
     assert continuation([index], [109, 9], 2).tokens == [10, 11]
     store.clear()
@@ -111,40 +114,40 @@ def test_one_tenants_long_calls_evict_only_its_own_history() -> None:
     store = HistoryStore(max_tokens=1000)
     quiet = [[7, 8, 9, 10 + i, 11, 12, 13] for i in range(5)]
     for text in quiet:
-        store.record(("tenant", "quiet"), [1, 2, 3], text)
+        store.record(HistoryScope("quiet"), [1, 2, 3], text)
     for i in range(50):
         store.record(
-            ("policy", "loud", "summary"), [500 + i] * 3, list(range(i * 100, i * 100 + 97))
+            HistoryScope("loud", "summary"), [500 + i] * 3, list(range(i * 100, i * 100 + 97))
         )
     assert store.stats()["tokens"] <= 1000
-    (index,) = store.indexes(("tenant", "quiet"))
+    (index,) = store.indexes(HistoryScope("quiet"))
     assert sorted(map(tuple, index.docs.values())) == sorted((1, 2, 3, *t) for t in quiet)
-    (loud,) = store.indexes(("policy", "loud", "summary"))
+    (loud,) = store.indexes(HistoryScope("loud", "summary"))
     assert 0 < len(loud.docs) < 50
     assert continuation([loud], [500 + 49] * 3, 3).tokens == [4900, 4901, 4902]
     # Alone, a tenant still fills the whole budget.
     alone = HistoryStore(max_tokens=1000)
     for i in range(50):
-        alone.record(("tenant", "a"), [500 + i] * 3, list(range(i * 100, i * 100 + 97)))
+        alone.record(HistoryScope("a"), [500 + i] * 3, list(range(i * 100, i * 100 + 97)))
     assert 900 < alone.stats()["tokens"] <= 1000
 
 
 def test_a_tenant_flooding_many_small_calls_evicts_its_own_documents() -> None:
     store = HistoryStore(max_tokens=100_000, max_documents=20)
-    store.record(("tenant", "quiet"), [1, 2, 3], [4, 5, 6])
+    store.record(HistoryScope("quiet"), [1, 2, 3], [4, 5, 6])
     for i in range(100):
-        store.record(("tenant", "loud"), [i, i + 1], [i + 2])
+        store.record(HistoryScope("loud"), [i, i + 1], [i + 2])
     assert store.stats()["documents"] == 20
-    assert len(store.indexes(("tenant", "quiet"))[0].docs) == 1
-    store.clear(("tenant", "loud"))
+    assert len(store.indexes(HistoryScope("quiet"))[0].docs) == 1
+    store.clear(HistoryScope("loud"))
     assert store.stats() == {**store.stats(), "documents": 1, "tokens": 6, "keys": 1}
 
 
 def test_a_resent_conversation_is_stored_once() -> None:
     store = HistoryStore(max_tokens=10_000)
     system = list(range(200, 400))
-    store.record(("tenant", "a"), [*system, 1, 2], [3, 4])
-    store.record(("tenant", "a"), [*system, 1, 2, 3, 4, 5], [6, 7])
+    store.record(HistoryScope("a"), [*system, 1, 2], [3, 4])
+    store.record(HistoryScope("a"), [*system, 1, 2, 3, 4, 5], [6, 7])
     # The second call kept only what was new (plus a few tokens of overlap for its n-grams).
     assert store.stats()["tokens"] < len(system) + 40
 
@@ -152,11 +155,11 @@ def test_a_resent_conversation_is_stored_once() -> None:
 def test_one_tenants_history_is_invisible_to_another() -> None:
     store = HistoryStore()
     secret = [7, 8, 9, 10, 11, 12, 13]
-    store.record(("tenant", "a"), [1, 2, 3], secret)
-    assert store.indexes(("tenant", "b")) == []
-    drafter = SuffixDrafter(store.indexes(("tenant", "b")), own_context=True)
+    store.record(HistoryScope("a"), [1, 2, 3], secret)
+    assert store.indexes(HistoryScope("b")) == []
+    drafter = SuffixDrafter(store.indexes(HistoryScope("b")), own_context=True)
     assert drafter.propose([1, 2, 3], 6, SamplingParams(0.0), torch.Generator()).tokens == []
-    drafter = SuffixDrafter(store.indexes(("tenant", "a")), own_context=True)
+    drafter = SuffixDrafter(store.indexes(HistoryScope("a")), own_context=True)
     assert drafter.propose([1, 2, 3], 6, SamplingParams(0.0), torch.Generator()).tokens[:3] == [
         7,
         8,

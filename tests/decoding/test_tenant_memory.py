@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from specagent.decoding.history import HistoryStore
 from specagent.decoding.prefix import PrefixCache
-from specagent.decoding.tenants import Tenant, tenant_of
+from specagent.decoding.tenants import HistoryScope, Tenant, tenant_of
 
 
 def _text(seed: int, n: int) -> list[int]:
@@ -19,13 +19,13 @@ def _text(seed: int, n: int) -> list[int]:
 
 def test_a_flood_over_many_sub_tenants_leaves_another_principals_history() -> None:
     store = HistoryStore(max_tokens=32768, max_subtenants=64)
-    victim = ("tenant", Tenant("other-key"))
+    victim = HistoryScope(Tenant("other-key"))
     store.record(victim, _text(1, 2000), _text(2, 500))
-    store.record(("policy", Tenant("other-key"), "p"), _text(3, 2000), _text(4, 500))
+    store.record(HistoryScope(Tenant("other-key"), "p"), _text(3, 2000), _text(4, 500))
     held = store.held("other-key")
     assert held == 5000
     for user in range(300):
-        key = ("tenant", Tenant("flooder", f"user-{user}"))
+        key = HistoryScope(Tenant("flooder", f"user-{user}"))
         store.record(key, _text(100 + user, 400), _text(900 + user, 100))
     assert store.held("other-key") == held  # untouched: the flooder evicted its own
     assert store.held("flooder") <= store.max_tokens - held
@@ -52,15 +52,15 @@ def test_a_flood_over_many_sub_tenants_leaves_another_principals_prefixes() -> N
 def test_the_largest_principal_still_loses_first() -> None:
     """A principal over its share is what goes: the other one's flood evicts it, oldest first."""
     store = HistoryStore(max_tokens=10000, max_document_tokens=10000)
-    store.record(("tenant", Tenant("big")), _text(1, 9000), [])
-    store.record(("tenant", Tenant("small")), _text(2, 3000), [])
+    store.record(HistoryScope(Tenant("big")), _text(1, 9000), [])
+    store.record(HistoryScope(Tenant("small")), _text(2, 3000), [])
     assert store.held("small") == 3000
     assert store.held("big") == 0  # over budget: the one holding the most lost its document
 
 
 def test_a_huge_call_keeps_a_bounded_document_and_digest() -> None:
     store = HistoryStore(max_tokens=32768)
-    key = ("tenant", Tenant("t"))
+    key = HistoryScope(Tenant("t"))
     prompt = _text(3, 1_200_000)
     store.record(key, prompt, _text(4, 50))
     assert store.stats()["tokens"] <= store.max_document_tokens

@@ -63,3 +63,36 @@ def test_from_pretrained_runs_a_local_gguf_on_llama_cpp(tokenizer, tmp_path, mon
         assert (tmp_path / "cache" / "tokenizers").is_dir()  # converted once, kept
     finally:
         runtime.close()
+
+
+# ------------------------------------------------------------------ the engine seam
+
+
+def test_a_torch_module_is_the_transformers_engines_model(target, draft, tokenizer) -> None:
+    from specagent.engines import engine_model
+
+    seen = engine_model(target, {"kv_slots": False})
+    assert seen.engine == "transformers"
+    assert seen.model is target
+    assert seen.capabilities.early_exit
+    assert not seen.capabilities.shared_kv
+    assert seen.vocab_size == target.get_output_embeddings().weight.shape[0]
+    assert seen.num_layers == target.config.num_hidden_layers
+    assert seen.kv_budget() is None  # each call's KV is its own
+    runtime = SpecRuntime(target, draft, tokenizer, device="cpu", draft_head_rows=None)
+    assert runtime.engine == "transformers"
+    assert runtime.target is target  # as passed in
+    assert runtime.draft is draft
+    runtime.close()
+
+
+def test_what_no_engine_runs_is_refused_by_name() -> None:
+    from specagent.engines import engine_model
+
+    with pytest.raises(TypeError, match=r"torch module .* or an engine's model .* not dict"):
+        engine_model({"weights": []})
+
+
+def test_the_transformers_options_are_checked_when_given(target, tokenizer) -> None:
+    with pytest.raises(ValueError, match="draft_head_rows must be 'auto', None or a positive"):
+        SpecRuntime(target, tokenizer=tokenizer, device="cpu", draft_head_rows=0)

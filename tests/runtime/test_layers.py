@@ -253,3 +253,11 @@ def test_front_doors_take_any_backend(target, tokenizer) -> None:
     with pytest.raises(ValueError, match="runtime must be a SpecRuntime"):
         ChatSpecAgent(runtime=torch.nn.Linear(1, 1))
     runtime.close()
+
+
+def test_a_call_reads_a_lone_string_as_one_tag_or_stop() -> None:
+    call = Call("hi", tags="extract", stop="END")
+    assert call.tags == ("extract",)
+    assert call.stop == ("END",)
+    assert Call("hi", tags=["a", "b"], stop=["x"]).tags == ("a", "b")
+    assert Call("hi").stop is None  # the policy's stop strings
