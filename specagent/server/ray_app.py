@@ -93,7 +93,8 @@ class PrefixAffinityRouter(RequestRouter):
         if pending_request is None or len(candidate_replicas) < 2 or not pending_request.args:
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranked = rank_replicas(conversation_key(pending_request.args[0]), list(by_id))
+        call: Call = pending_request.args[0]  # SpecReplica.stream's: the Call
+        ranked = rank_replicas(conversation_key(call.prompt), list(by_id))
         return [[by_id[ranked[0]]], [by_id[i] for i in ranked[1:]]]
 
 
