@@ -13,6 +13,7 @@ that view of whatever a caller passed in (a torch module: the transformers engin
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +23,16 @@ import torch
 
 from ..catalog import CATALOG
 from ..errors import ModelLoadError
-from .base import Capabilities, EngineModel, Loaded, RunnerNeeds
+from .base import Capabilities, EngineModel, Loaded, LoadRequest, RunnerNeeds
 
 __all__ = [
     "ENGINES",
+    "LOADERS",
     "Capabilities",
     "EngineChoice",
     "EngineModel",
     "EngineName",
+    "LoadRequest",
     "Loaded",
     "RunnerNeeds",
     "choose_engine",
@@ -39,7 +42,14 @@ __all__ = [
 ]
 
 EngineName = Literal["auto", "transformers", "llama.cpp"]
-ENGINES: tuple[str, ...] = ("auto", "transformers", "llama.cpp")
+LOADERS: Mapping[str, str] = {
+    "transformers": "specagent.engines.transformers.loading",
+    "llama.cpp": "specagent.engines.llama_cpp.loading",
+}
+"""Each engine's loading module (its ``load_pair(LoadRequest) -> Loaded``): a new engine is
+its package and one line here (and, for ``engine="auto"`` to pick it, a rule in
+``choose_engine``)."""
+ENGINES: tuple[str, ...] = ("auto", *LOADERS)
 
 
 @dataclass(frozen=True)
@@ -118,22 +128,25 @@ def load_pair(
     engine: str = "auto",
     engine_options: Mapping[str, Any] | None = None,
 ) -> Loaded:
-    """Target (and draft) loaded by the engine ``choose_engine`` picks, with the target's
-    tokenizer: transformers in the dtype that runs fastest here (``dtype``, ``draft_dtype``,
-    ``trust_remote_code``); llama.cpp as the GGUF ships, each model built with
-    ``engine_options`` (``llama_cpp.LlamaCppModel``'s keywords)."""
+    """Target (and draft) loaded by the engine ``choose_engine`` picks (its ``loading`` module,
+    ``LOADERS``), with the target's tokenizer: transformers in the dtype that runs fastest here
+    (``dtype``, ``draft_dtype``, ``trust_remote_code``); llama.cpp as the GGUF ships, each model
+    built with ``engine_options`` (``llama_cpp.LlamaCppModel``'s keywords)."""
     from ..models import resolve_device
 
     dev = resolve_device(device)
     choice = choose_engine(engine, target, dev)
-    if choice.engine == "llama.cpp":
-        from .llama_cpp.loading import load_pair as load_gguf
-
-        return load_gguf(target, draft, choice.to_json(), dict(engine_options or {}))
-    from .transformers.loading import load_pair as load_transformers
-
-    loaded = load_transformers(target, draft, dev, dtype, draft_dtype, trust_remote_code)
-    loaded.engine = choice.to_json()
+    request = LoadRequest(
+        target,
+        draft,
+        dev,
+        choice.to_json(),
+        dtype=dtype,
+        draft_dtype=draft_dtype,
+        trust_remote_code=trust_remote_code,
+        options=dict(engine_options or {}),
+    )
+    loaded: Loaded = importlib.import_module(LOADERS[choice.engine]).load_pair(request)
     return loaded
 
 

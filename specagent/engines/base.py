@@ -21,7 +21,7 @@ from ..machine import ProbeStore
 if TYPE_CHECKING:
     from ..decoding.engine import Runner
 
-__all__ = ["Capabilities", "EngineModel", "Loaded", "Role", "RunnerNeeds"]
+__all__ = ["Capabilities", "EngineModel", "LoadRequest", "Loaded", "Role", "RunnerNeeds"]
 
 Role = Literal["target", "draft"]
 
@@ -119,6 +119,24 @@ class EngineModel(ABC):
         prefixes hold sequences; it frees the oldest and says whether it freed one). Nothing
         to do where sequences cost only memory."""
         return None
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What ``from_pretrained`` asks an engine to load (``engines.load_pair``): each engine's
+    ``loading.load_pair`` reads what applies to it."""
+
+    target: str
+    """A local path, a hub id or a catalog name."""
+    draft: str | None
+    device: torch.device
+    choice: dict[str, Any]
+    """The engine chosen and why (``EngineChoice.to_json``), as ``Loaded.engine`` reports it."""
+    dtype: str | torch.dtype = "auto"
+    draft_dtype: str | torch.dtype = "auto"
+    trust_remote_code: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    """The engine's own options (llama.cpp: ``LlamaCppModel``'s keywords)."""
 
 
 @dataclass

@@ -12,19 +12,18 @@ from ...catalog import CATALOG, cache_dir, resolve_gguf
 from ...errors import ModelLoadError
 from ...machine import ProbeStore
 from ...models import load_tokenizer
-from ..base import Loaded
+from ..base import Loaded, LoadRequest
 from .model import LlamaCppModel
 
 __all__ = ["check_vocabulary", "gguf_tokenizer", "load_pair"]
 
 
-def load_pair(
-    target: str, draft: str | None, engine: dict[str, Any], options: dict[str, Any]
-) -> Loaded:
+def load_pair(request: LoadRequest) -> Loaded:
     """Target (and draft) as GGUF files (a path or a catalog name), each a ``LlamaCppModel``
-    with ``options``; ``engine`` is the engine choice, to which each model's proven fast paths
-    are added."""
+    with ``request.options``; the engine choice gets each model's proven fast paths."""
     from .. import is_gguf_source
+
+    target, draft, options = request.target, request.draft, request.options
 
     def loaded(source: str) -> tuple[LlamaCppModel, Any]:
         path = resolve_gguf(source) if source in CATALOG else Path(source)
@@ -48,7 +47,7 @@ def load_pair(
         if model is not None
     }
     engine = {
-        **engine,
+        **request.choice,
         "fast_paths": {
             role: model.fast_paths.to_json() for role, model in models.items() if model is not None
         },

@@ -13,7 +13,7 @@ from ...catalog import cache_dir, resolve_model
 from ...errors import ModelLoadError
 from ...machine import ProbeStore, config_key
 from ...models import load_config, load_model, load_tokenizer, resolve_dtype
-from ..base import Loaded
+from ..base import Loaded, LoadRequest
 from .precision import INT8, DtypeChoice, Role, choose_dtype, load_as
 from .quantized import int8_supported
 from .runner import PrefillTwin
@@ -21,17 +21,13 @@ from .runner import PrefillTwin
 __all__ = ["load_pair"]
 
 
-def load_pair(
-    target: str,
-    draft: str | None,
-    device: torch.device,
-    dtype: str | torch.dtype,
-    draft_dtype: str | torch.dtype,
-    trust_remote_code: bool,
-) -> Loaded:
-    """Target (and draft) with the target's tokenizer, and the probe store of this machine in
-    the cache directory, where dtype choices, step costs and kernels are kept."""
-    target = resolve_model(target)
+def load_pair(request: LoadRequest) -> Loaded:
+    """Target (and draft) with the target's tokenizer, each in the dtype asked for or measured
+    fastest here, and the probe store of this machine in the cache directory, where dtype
+    choices, step costs and kernels are kept."""
+    device, trust_remote_code = request.device, request.trust_remote_code
+    dtype, draft_dtype, draft = request.dtype, request.draft_dtype, request.draft
+    target = resolve_model(request.target)
     draft = resolve_model(draft) if draft is not None else None
     store = ProbeStore(cache_dir() / "probes")
     precision: dict[str, Any] = {}
@@ -70,6 +66,7 @@ def load_pair(
         store,
         Path(str(target)).name,
         precision,
+        request.choice,
         runtime_options={"draft_prefill": twins.get("draft")},
     )
 
