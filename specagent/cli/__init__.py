@@ -12,9 +12,9 @@ from typing import Any
 
 from ..errors import SpecAgentError
 from .arguments import compile_steps, policy_set, target_and_draft
-from .measure import bench, evaluate, tune
+from .measure import bench_command, eval_command, tune_command
 from .parser import build_parser
-from .serve import audit, serve
+from .serve import audit_command, serve_command
 
 __all__ = ["main"]
 
@@ -78,7 +78,7 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         print(resolve_gguf(args.name) if args.gguf else resolve_model(args.name))
         return 0
     if args.command == "audit":
-        return audit(args)
+        return audit_command(args)
     if args.command == "doctor":
         from .doctor import run_doctor
 
@@ -86,18 +86,18 @@ def _dispatch(args: argparse.Namespace) -> int | None:
     if args.command == "run":
         return _run(args)
     if args.command == "serve":
-        return serve(args)
+        return serve_command(args)
     if args.command == "keys":
         from ..server.keys import hash_key
 
         print(hash_key(args.key))
         return 0
     if args.command == "bench":
-        return bench(args)
+        return bench_command(args)
     if args.command == "eval":
-        return evaluate(args)
+        return eval_command(args)
     if args.command == "tune":
-        return tune(args)
+        return tune_command(args)
     from .demo import run_demo
 
     return run_demo(pair=args.pair, policies=policy_set(args.policies), engine=args.engine)

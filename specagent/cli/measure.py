@@ -13,10 +13,10 @@ from ..decoding.registry import RULES
 from ..machine import machine_kind
 from .arguments import compile_steps, policy_set, target_and_draft
 
-__all__ = ["bench", "evaluate", "tune"]
+__all__ = ["bench_command", "eval_command", "tune_command"]
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench_command(args: argparse.Namespace) -> int:
     from ..llama_server import llama_server_methods
     from ..measuring.bench import bench_policies, run_bench, save
     from ..runtime import SpecRuntime
@@ -118,7 +118,7 @@ def _progress(total: int) -> Any:
     return step
 
 
-def evaluate(args: argparse.Namespace) -> int:
+def eval_command(args: argparse.Namespace) -> int:
     from ..measuring.evaluation import evaluate
 
     settings = []
@@ -155,7 +155,7 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def tune(args: argparse.Namespace) -> int:
+def tune_command(args: argparse.Namespace) -> int:
     from ..errors import EvaluationError
     from ..measuring.tuning import Budget, search_space, tune
 

@@ -11,10 +11,10 @@ from ..errors import SpecAgentError
 from .arguments import compile_steps, policy_set, target_and_draft
 from .audit_view import print_audit
 
-__all__ = ["audit", "serve"]
+__all__ = ["audit_command", "serve_command"]
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve_command(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_on_ray(args)
     try:
@@ -25,7 +25,7 @@ def serve(args: argparse.Namespace) -> int:
         ) from exc
     keys = KeyStore.load(args.api_keys, open=args.no_auth)  # fails closed before loading models
     tls = _tls(args)
-    audit = audit_store(args)
+    audit = _audit_store(args)
     target, draft = target_and_draft(args)
     serve(
         target,
@@ -69,7 +69,7 @@ def _tls(args: argparse.Namespace) -> tuple[str, str] | None:
     return str(cert), str(key)
 
 
-def audit_store(args: argparse.Namespace) -> Any:
+def _audit_store(args: argparse.Namespace) -> Any:
     """The server's audit store (``--audit``, its default path, or none with ``--no-audit``),
     opened before the models load: a store that cannot be opened stops the start."""
     if args.no_audit:
@@ -82,21 +82,21 @@ def audit_store(args: argparse.Namespace) -> Any:
         raise SpecAgentError(
             f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
         ) from exc
-    url = audit_url(args)
+    url = _audit_url(args)
     try:
         return AuditStore(url, retention_days=args.audit_retention_days)
     except Exception as exc:
         raise SpecAgentError(f"cannot open the audit store {url}: {exc}") from exc
 
 
-def audit_url(args: argparse.Namespace) -> str:
+def _audit_url(args: argparse.Namespace) -> str:
     """``--audit``, or the default store's URL (``specagent.audit.default_audit_url``)."""
     from ..audit import default_audit_url
 
     return str(args.audit or default_audit_url())
 
 
-def audit(args: argparse.Namespace) -> int:
+def audit_command(args: argparse.Namespace) -> int:
     from ..audit import AuditStore, default_audit_url, parse_since, policy_summaries, read_calls
 
     try:
@@ -137,7 +137,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         "gpus_per_replica": args.gpus_per_replica,
         "key_file": str(args.api_keys) if args.api_keys else None,
         "no_auth": args.no_auth,
-        "audit": None if args.no_audit else audit_url(args),
+        "audit": None if args.no_audit else _audit_url(args),
         "audit_required": args.audit_required,
         "audit_retention_days": args.audit_retention_days,
     }
