@@ -79,10 +79,6 @@ class CallSpec:
         return list(self.call.prompt)  # type: ignore[arg-type]  # built from messages
 
     @property
-    def tools(self) -> list[dict[str, Any]] | None:
-        return [dict(t) for t in self.call.tools] if self.call.tools is not None else None
-
-    @property
     def tool_names(self) -> list[str] | None:
         tools = self.call.tools
         return [t["function"]["name"] for t in tools] if tools else None

@@ -73,7 +73,6 @@ class EngineModel(ABC):
     """The longest call it serves (None: its config does not say)."""
     num_layers: int
     """Decoder layers (0 where unknown)."""
-    weight_bytes: int
     device: torch.device
     dtype: str | None = None
     """What its weights are held in, where one dtype says it (None: the engine's own format)."""

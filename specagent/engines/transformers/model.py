@@ -58,7 +58,6 @@ class TransformersModel(EngineModel):
         self.vocab_size = model_vocab_size(module)  # type: ignore[arg-type]
         self.context_window = context_window(module)  # type: ignore[arg-type]
         self.num_layers = num_layers(module)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         first = next(module.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         self.dtype = str(first.dtype).removeprefix("torch.") if first is not None else None

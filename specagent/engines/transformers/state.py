@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -87,14 +87,4 @@ class RunnerState:
         raise NotImplementedError
 
     def _masked(self, logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _gathered_logits(
-        self,
-        inputs: dict[str, Any],
-        batch_cache: Any,
-        wanted: list[tuple[int, int, int]],
-        widest: int,
-        vocabs: Sequence[torch.Tensor | None],
-    ) -> list[torch.Tensor]:
         raise NotImplementedError
