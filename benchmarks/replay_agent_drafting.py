@@ -283,9 +283,8 @@ def replay_specagent(
                         eos_token_ids=eos,
                     )
                 )
-                leave = getattr(drafter, "leave_cache", None)
-                if leave is not None:
-                    leave()
+                if drafter is not None:
+                    drafter.leave_cache()
                 produced = events[-1].output_ids
                 if produced != output:
                     raise SystemExit(f"{episode_id}: the replay produced another output")

@@ -49,7 +49,7 @@ def policy(name: str, reproducible: bool) -> Policy:
         description="greedy lossless, adaptive prompt lookup",
         mode="lossless",
         reproducible=reproducible,
-        drafter={"kind": "prompt_lookup", "num_speculative_tokens": 8, "history": "call"},
+        drafter={"kind": "prompt_lookup", "num_speculative_tokens": 8},
     )
 
 

@@ -22,14 +22,14 @@ from specagent.engines.transformers.precision import (
 from specagent.engines.transformers.quantized import has_int8_weights, int8_supported
 from specagent.machine import ProbeStore, config_key, fingerprint, machine_info
 from specagent.policy import Policy
-from specagent.policy.schema import DrafterConfig
+from specagent.policy.schema import DraftModelConfig
 
 DRAFTING = [
     Policy(
         name="drafting",
         description="test",
         mode="lossless",
-        drafter=DrafterConfig(kind="draft_model", num_speculative_tokens=4, adaptive=True),
+        drafter=DraftModelConfig(num_speculative_tokens=4, adaptive=True),
     )
 ]
 

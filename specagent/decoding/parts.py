@@ -1,6 +1,6 @@
-"""What a drafter's builder is given: the policy's drafter settings and the runtime's parts
-(its models' runners, prefix cache, costs and history). Its own module so that drafters can
-name these types without importing the registry that imports them."""
+"""What a drafter's builder is given besides its kind's settings (``drafters.base.DrafterBlock``):
+the runtime's parts (its models' runners, prefix cache, costs and history). Its own module so
+that drafters can name these types without importing the registry that imports them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .costs import CostModel
 from .engine import Runner
 from .history import SuffixIndex
 
-__all__ = ["DrafterSettings", "DraftingParts", "Prefixes"]
+__all__ = ["DraftingParts", "Prefixes"]
 
 
 class Prefixes(Protocol):
@@ -32,21 +32,6 @@ class Prefixes(Protocol):
         """Keep the KV of ``tokens``, which ``cache`` holds as its first positions (a copy cut
         to them; ``copy=False``: ``cache`` itself, which then holds exactly them)."""
         ...
-
-
-class DrafterSettings(Protocol):
-    """The policy's ``drafter`` block, as builders read it (``policy.schema.DrafterConfig``)."""
-
-    kind: str
-    num_speculative_tokens: int
-    adaptive: bool
-    confidence_threshold: float
-    lookup_guesses: bool
-    early_exit_layers: int | None
-    min_ngram: int
-    max_ngram: int
-    history: str
-    tree: bool
 
 
 @dataclass(frozen=True)

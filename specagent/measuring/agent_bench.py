@@ -39,7 +39,7 @@ from typing import Any
 from ..chat import render_prompt
 from ..machine import machine_info
 from ..policy import Policy
-from ..policy.schema import DrafterConfig
+from ..policy.schema import AutoConfig, DraftModelConfig, NoDrafterConfig
 from ..runtime import SpecRuntime
 from .baselines import Method, prepared_methods
 from .divergence import explain_divergence, tally_differences
@@ -89,13 +89,13 @@ def agent_policies(has_draft: bool) -> list[Policy]:
             name="lossless-auto",
             description="agent bench",
             mode="lossless",
-            drafter=DrafterConfig(kind="auto", num_speculative_tokens=20, history="tenant"),
+            drafter=AutoConfig(num_speculative_tokens=20, history="tenant"),
         ),
         Policy(
             name="lossless-plain",
             description="agent bench: no drafts",
             mode="lossless",
-            drafter=DrafterConfig(kind="none"),
+            drafter=NoDrafterConfig(),
         ),
     ]
     if has_draft:
@@ -104,7 +104,7 @@ def agent_policies(has_draft: bool) -> list[Policy]:
                 name="lossless-draft_model",
                 description="agent bench",
                 mode="lossless",
-                drafter=DrafterConfig(kind="draft_model", num_speculative_tokens=20),
+                drafter=DraftModelConfig(num_speculative_tokens=20),
             )
         )
     return policies

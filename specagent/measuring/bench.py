@@ -21,12 +21,19 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from ..chat import render_prompt
 from ..machine import machine_info
 from ..policy import Policy
-from ..policy.schema import DrafterConfig, SamplingConfig, TypicalAcceptance
+from ..policy.schema import (
+    AutoConfig,
+    DrafterBlock,
+    DraftModelConfig,
+    PromptLookupConfig,
+    SamplingConfig,
+    TypicalAcceptance,
+)
 from ..runtime import SpecRuntime
 from .baselines import Method, prepared_methods
 from .divergence import explain_divergence, tally_differences
@@ -132,16 +139,14 @@ def bench_policies(has_draft: bool) -> list[Policy]:
     """For each drafter the models allow: lossless (greedy), and a sampled lossless / relaxed
     pair (typical acceptance, divergence budget 0.10); and ``lossless-auto``, the shipped
     policies' drafter."""
-    drafters: list[Literal["prompt_lookup", "draft_model"]] = ["prompt_lookup"]
+    # Draft models draft up to 20 tokens, as transformers' assisted generation does (with the
+    # same 0.4 confidence stop); prompt lookup up to 6, as its baseline here.
+    drafters: list[DrafterBlock] = [PromptLookupConfig(num_speculative_tokens=6)]
     if has_draft:
-        drafters.append("draft_model")
+        drafters.append(DraftModelConfig(num_speculative_tokens=20))
     policies = []
-    for kind in drafters:
-        # Draft models draft up to 20 tokens, as transformers' assisted generation does (with
-        # the same 0.4 confidence stop); prompt lookup up to 6, as its baseline here.
-        drafter = DrafterConfig(
-            kind=kind, num_speculative_tokens=20 if kind == "draft_model" else 6
-        )
+    for drafter in drafters:
+        kind = drafter.kind
         relaxed = TypicalAcceptance(rule="typical", epsilon=0.3, delta=0.09, max_divergence=0.1)
         policies += [
             Policy(name=f"lossless-{kind}", description="bench", mode="lossless", drafter=drafter),
@@ -164,7 +169,7 @@ def bench_policies(has_draft: bool) -> list[Policy]:
     # What the shipped policies run (``auto``: per step a match in the call's own text, the
     # draft model or plain decoding), greedy; its history is the call's own (single prompts:
     # no earlier call of the bench may draft for a later one).
-    auto = DrafterConfig(kind="auto", num_speculative_tokens=20, history="call")
+    auto = AutoConfig(num_speculative_tokens=20, history="call")
     policies.append(
         Policy(name="lossless-auto", description="bench", mode="lossless", drafter=auto)
     )

@@ -98,9 +98,7 @@ def search_space(policy: Policy, ks: Sequence[int] | None = None) -> list[Policy
         params = dict(zip(grid, values, strict=True))
         acceptance = policy.acceptance.model_copy(update={**params, "max_divergence": None})
         for k_value in ks:
-            drafter = policy.drafter.model_copy(
-                update={"num_speculative_tokens": k_value, "adaptive": False}
-            )
+            drafter = policy.drafter.fixed(k_value)
             data = policy.model_dump()
             data.update(drafter=drafter.model_dump(), acceptance=acceptance.model_dump())
             candidates.append(Policy.model_validate(data))

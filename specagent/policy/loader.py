@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from ..decoding.registry import RULES
 from ..errors import PolicyError
 from .routing import PolicySet
 from .schema import Policy
@@ -122,7 +123,7 @@ def _location(parts: tuple[int | str, ...]) -> str:
     member after the field of a tagged union, which means nothing to a policy author."""
     kept: list[str] = []
     for i, part in enumerate(parts):
-        if i > 0 and parts[i - 1] == "acceptance" and part in {"typical", "top_k", "lenience"}:
+        if i > 0 and parts[i - 1] == "acceptance" and part in RULES:
             continue
         if isinstance(part, str) and "[" in part:  # function-after[...] wrappers
             continue

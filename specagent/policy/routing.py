@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import PolicyError, PolicyNotFoundError
-from .schema import DrafterConfig, Policy
+from .schema import DraftModelConfig, Policy, PromptLookupConfig
 
 __all__ = ["DEFAULT_POLICY_NAME", "PolicySet", "default_policy"]
 
@@ -19,7 +19,7 @@ def default_policy(has_draft_model: bool = False) -> Policy:
         name=DEFAULT_POLICY_NAME,
         description="Built-in default: lossless, so an unrouted call is never degraded.",
         mode="lossless",
-        drafter=DrafterConfig(kind="draft_model" if has_draft_model else "prompt_lookup"),
+        drafter=DraftModelConfig() if has_draft_model else PromptLookupConfig(),
     )
 
 

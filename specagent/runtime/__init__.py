@@ -44,7 +44,7 @@ from ._admission import (
     PoliciesArg,
     check_policies_fit,
     coerce_policies,
-    drafter_kind,
+    drafter_for,
     eos_token_ids,
 )
 from ._audit import audit_store
@@ -142,7 +142,12 @@ class SpecRuntime(Backend):
         (``from_pretrained``: the cache directory; None: measured once per runtime)."""
         self._calls = CallPath(
             admission=Admission(
-                self.policies, tokenizer, self.vocab_size, self.context_window, tuple(eos)
+                self.policies,
+                tokenizer,
+                self.vocab_size,
+                self.context_window,
+                tuple(eos),
+                has_draft_model=self._draft is not None,
             ),
             gate=AdmissionGate(tokenizer, workers=admission_workers),
             telemetry=Telemetry(self.model_name, tracer_provider, meter_provider),
@@ -162,7 +167,11 @@ class SpecRuntime(Backend):
             eos_token_ids=eos,
             prefixes=self.prefix_cache,
             store=probe_store,
-            longest=max(p.drafter.num_speculative_tokens for p in self.policies) + 1,
+            longest=max(
+                drafter_for(p, self._draft is not None).num_speculative_tokens
+                for p in self.policies
+            )
+            + 1,
             decode_text=self._decode_text,
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
             tokenizer=tokenizer,
@@ -303,7 +312,7 @@ class SpecRuntime(Backend):
 
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
-        return drafter_kind(policy, self.draft is not None)
+        return drafter_for(policy, self.draft is not None).kind
 
     def describe(self, policy: Policy) -> dict[str, Any]:
         """The engine, the target's dtype (as chosen at load, or the model's own) and the

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from ..call import Call
 from ..chat import Prompt, render_prompt
+from ..decoding.drafters.base import DrafterBlock
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
 from ..decoding.tenants import HistoryScope, Tenant, tenant_of
@@ -24,7 +25,7 @@ from ..policy import Policy, PolicySet, load_policies
 from ..policy.loader import format_validation_error
 from ..policy.schema import SamplingConfig
 
-__all__ = ["Admission", "PoliciesArg", "Request", "coerce_policies", "drafter_kind"]
+__all__ = ["Admission", "PoliciesArg", "Request", "coerce_policies", "drafter_for"]
 
 PoliciesArg = str | Path | PolicySet | Sequence[Policy] | None
 
@@ -63,6 +64,8 @@ class Admission:
     vocab_size: int
     context_window: int | None
     eos_token_ids: tuple[int, ...]
+    has_draft_model: bool
+    """Whether the runtime has a draft model (else a policy runs its drafter's fallback)."""
 
     def request(self, call: Call, tokenizer: Any = None) -> Request:
         """The validated call. ``tokenizer``: the one to use on this thread (an admission
@@ -73,7 +76,7 @@ class Admission:
             who = tenant_of(call.tenant)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
-        key = history_key(policy, who)
+        key = history_key(policy, drafter_for(policy, self.has_draft_model), who)
         overrides = {
             key: value
             for key, value in {
@@ -141,14 +144,17 @@ class Admission:
         )
 
 
-def history_key(policy: Policy, tenant: Tenant | None) -> HistoryScope | None:
-    """The key of the history a call reads and writes (``drafter.history``); the tenant is part
-    of every key but the runtime-wide one, which refuses calls that name a tenant. A call with
-    no tenant shares nothing under ``policy`` and ``tenant`` history: callers who are one
-    party say so by naming a tenant (the runtime cannot tell two anonymous callers apart)."""
-    if not DRAFTERS[policy.drafter.kind].reads_history:
+def history_key(
+    policy: Policy, drafter: DrafterBlock, tenant: Tenant | None
+) -> HistoryScope | None:
+    """The key of the history a call reads and writes (``drafter.history`` of the block the
+    policy runs); the tenant is part of every key but the runtime-wide one, which refuses calls
+    that name a tenant. A call with no tenant shares nothing under ``policy`` and ``tenant``
+    history: callers who are one party say so by naming a tenant (the runtime cannot tell two
+    anonymous callers apart)."""
+    if not DRAFTERS[drafter.kind].reads_history:
         return None
-    scope = policy.drafter.history
+    scope = drafter.history_scope()
     if scope in ("none", "call"):
         return None
     if tenant is None and scope in ("policy", "tenant"):
@@ -167,19 +173,20 @@ def history_key(policy: Policy, tenant: Tenant | None) -> HistoryScope | None:
     return HistoryScope()
 
 
-def drafter_kind(policy: Policy, has_draft_model: bool) -> str:
-    """The drafter a policy gets on a runtime (its fallback when there is no draft model)."""
-    kind = policy.drafter.kind
-    if DRAFTERS[kind].needs_draft_model and not has_draft_model:
-        return policy.drafter.fallback or kind
-    return kind
+def drafter_for(policy: Policy, has_draft_model: bool) -> DrafterBlock:
+    """The drafter block a policy runs on a runtime (its fallback when there is no draft
+    model; without one, the policy's own block, which ``check_policies_fit`` refuses)."""
+    block = policy.drafter
+    if DRAFTERS[block.kind].needs_draft_model and not has_draft_model:
+        return block.fallback_block() or block
+    return block
 
 
 def check_policies_fit(policies: PolicySet, has_draft_model: bool, target: EngineModel) -> None:
     """Refuse, when the runtime is built, a policy its models cannot run."""
     for policy in policies:
-        kind = drafter_kind(policy, has_draft_model)
-        spec = DRAFTERS[kind]
+        block = drafter_for(policy, has_draft_model)
+        kind, spec = block.kind, DRAFTERS[block.kind]
         if spec.needs_draft_model and not has_draft_model:
             msg = (
                 f"policy {policy.name!r}: field 'drafter.kind': {kind} needs a draft "
@@ -194,7 +201,7 @@ def check_policies_fit(policies: PolicySet, has_draft_model: bool, target: Engin
                 f"transformers engine; this runtime runs {target.engine})"
             )
             raise PolicyError(msg)
-        problem = spec.check(policy.drafter, target.num_layers)
+        problem = spec.check(block, target.num_layers)
         if problem is not None:
             raise PolicyError(f"policy {policy.name!r}: {problem}")
 

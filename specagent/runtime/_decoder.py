@@ -24,7 +24,7 @@ from ..engines import EngineModel, RunnerNeeds
 from ..grammar import prepare
 from ..machine import ProbeStore
 from ..policy import Policy
-from ._admission import Request, drafter_kind
+from ._admission import Request, drafter_for
 
 __all__ = ["Decoder"]
 
@@ -109,13 +109,13 @@ class Decoder:
 
     def cost_runner(self, policy: Policy) -> Runner | None:
         """The model whose forwards drafting costs for ``policy`` (None: a free drafter)."""
-        kind = drafter_kind(policy, self.draft_runner is not None)
-        return DRAFTERS[kind].cost_runner(policy.drafter, self.parts)
+        block = drafter_for(policy, self.draft_runner is not None)
+        return DRAFTERS[block.kind].cost_runner(block, self.parts)
 
     def measurement(self, policies: Sequence[Policy]) -> Generator[None, None, None] | None:
         """The background measurement of the costs the drafting policies plan with."""
         has_draft = self.draft_runner is not None
-        drafting = [p for p in policies if DRAFTERS[drafter_kind(p, has_draft)].drafts]
+        drafting = [p for p in policies if DRAFTERS[drafter_for(p, has_draft).kind].drafts]
         if not drafting:
             return None
         return self.costs.measurement([self.cost_runner(p) for p in drafting])
@@ -177,7 +177,7 @@ class Decoder:
     def decode(self, request: Request, device: torch.device) -> DecodeSteps:
         """The decoding coroutine of one call."""
         policy = request.policy
-        kind = DRAFTERS[drafter_kind(policy, self.draft_runner is not None)]
+        block = drafter_for(policy, self.draft_runner is not None)
         key, history = request.history_key, self.history
         # KV is reused within the call's tenant only: one tenant's prompts and outputs never
         # seed another's forwards (nor, by timing, tell that they were sent). A call with no
@@ -195,7 +195,7 @@ class Decoder:
             target, prefixes = parts.target, None
         if key is not None and history is not None:
             parts = dataclasses.replace(parts, history=history.indexes(key))
-        drafter, schedule = kind.build(policy.drafter, parts)
+        drafter, schedule = DRAFTERS[block.kind].build(block, parts)
         acceptance = policy.acceptance
         stops: Any = StopStrings(request.stop, self.decode_text) if request.stop else None
         steps = speculative_steps(

@@ -118,6 +118,30 @@ def test_valid_file_loads(tmp_path: Path) -> None:
             "acceptance: {rule: typical}\n",
             r"field 'acceptance': a relaxed policy needs a drafter",
         ),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {kind: prompt_lookup, "
+            "history: tenant}\n",
+            r"field 'drafter.history': unknown field",
+        ),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {kind: draft_model, "
+            "fallback: {kind: prompt_lookup, tree: true}}\n",
+            r"field 'drafter.fallback.tree': unknown field",
+        ),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {kind: early_exit, "
+            "fallback: none}\n",
+            r"field 'drafter.fallback': unknown field",
+        ),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {kind: draft_model, "
+            "fallback: {kind: auto, history: everyone}}\n",
+            r"field 'drafter.fallback.history'.*'none', 'call', 'policy', 'tenant' or 'runtime'",
+        ),
+        (
+            "name: x\ndescription: d\nmode: lossless\ndrafter: {kind: lookup}\n",
+            r"field 'drafter': unknown drafter 'lookup'; expected one of \[.*'prompt_lookup'",
+        ),
         ("name: x\nmode: lossless\n", r"field 'description': Field required"),
         ("- just\n- a list\n", r"expected a mapping of policy fields, got list"),
     ],
@@ -263,3 +287,78 @@ def test_the_built_wheel_holds_the_shipped_policies(tmp_path: Path) -> None:
         assert f"specagent/_shipped_policies/{policy.name}" in names
     assert "langchain_specagent/chat_models.py" in names
     assert "specagent/data/agent_episodes.jsonl" in names
+
+
+def _drafter(block: dict) -> Policy:
+    return Policy.model_validate(
+        {"name": "x", "description": "d", "mode": "lossless", "drafter": block}
+    )
+
+
+def test_each_drafter_kind_is_its_own_block_named_by_the_registry() -> None:
+    from specagent.decoding.registry import DRAFTERS
+
+    for name, kind in DRAFTERS.items():
+        assert kind.config().kind == name
+        policy = _drafter({"kind": name})
+        assert type(policy.drafter) is kind.config
+        assert Policy.model_validate(policy.model_dump()) == policy
+    assert _drafter({}).drafter.kind == "draft_model"  # a block that names no kind
+
+
+def test_a_fallback_is_its_own_kind_written_flat_or_as_a_block() -> None:
+    flat = _drafter(
+        {
+            "kind": "draft_model",
+            "num_speculative_tokens": 9,
+            "min_ngram": 2,
+            "fallback": "early_exit",
+            "early_exit_layers": 2,
+        }
+    ).drafter
+    nested = _drafter(
+        {
+            "kind": "draft_model",
+            "num_speculative_tokens": 9,
+            "min_ngram": 2,
+            "fallback": {"kind": "early_exit", "early_exit_layers": 2},
+        }
+    ).drafter
+    assert flat == nested
+    fallback = nested.fallback_block()
+    assert fallback is not None and fallback.kind == "early_exit"
+    # What the fallback does not set it takes from the block it stands in for, where it has it.
+    assert (fallback.num_speculative_tokens, fallback.min_ngram) == (9, 2)
+    assert fallback.early_exit_layers == 2  # type: ignore[attr-defined]
+    own = _drafter(
+        {"kind": "draft_model", "num_speculative_tokens": 9, "fallback": {"kind": "suffix"}}
+    ).drafter.fallback_block()
+    assert own is not None and own.num_speculative_tokens == 9
+    assert own.history_scope() == "call"
+    with pytest.raises(ValueError, match=r"unknown drafter 'draft_model' for a fallback"):
+        _drafter({"kind": "draft_model", "fallback": {"kind": "draft_model"}})
+
+
+def test_a_fixed_k_reaches_the_fallback_and_turns_adaptive_choices_off() -> None:
+    drafter = _drafter(
+        {"kind": "draft_model", "num_speculative_tokens": 9, "fallback": "prompt_lookup"}
+    ).drafter
+    fixed = drafter.fixed(3)
+    fallback = fixed.fallback_block()
+    assert fixed.num_speculative_tokens == 3 and not fixed.adaptive  # type: ignore[attr-defined]
+    assert fallback is not None and fallback.num_speculative_tokens == 3
+    assert not fallback.adaptive  # type: ignore[attr-defined]
+    assert _drafter({"kind": "suffix"}).drafter.fixed(5).num_speculative_tokens == 5
+
+
+def test_a_reproducible_policy_checks_its_fallbacks_history_too() -> None:
+    with pytest.raises(ValueError, match="drafts from its own call only.*'tenant'"):
+        Policy.model_validate(
+            {
+                "name": "x",
+                "description": "d",
+                "mode": "lossless",
+                "reproducible": True,
+                "drafter": {"kind": "draft_model", "fallback": "suffix", "history": "tenant"},
+            }
+        )

@@ -64,6 +64,26 @@ def test_one_tenants_calls_never_draft_for_another(target, tokenizer) -> None:
     alone.close()
 
 
+def test_a_fallback_drafts_from_the_history_its_own_block_names(target, tokenizer) -> None:
+    # A draft-model policy on a runtime without one runs its fallback, whose block says whose
+    # text may draft (written flat, as before per-kind blocks: ``history`` is the fallback's).
+    policy = make_policy(
+        "fallback-tenant",
+        {"kind": "draft_model", "num_speculative_tokens": 8, "fallback": "suffix"}
+        | {"history": "tenant"},
+    )
+    runtime = SpecRuntime(
+        target, tokenizer=tokenizer, policies=[policy], device="cpu", probe_store=PinnedCosts()
+    )
+    options = {"policy": "fallback-tenant", "max_new_tokens": 40}
+    first = runtime.generate_sync(PROMPT, tenant="acme", **options)
+    again = runtime.generate_sync(PROMPT, tenant="acme", **options)
+    assert again.stats.drafter == "suffix"
+    assert first.token_ids == again.token_ids
+    assert _history_accepted(again) > _history_accepted(first)
+    runtime.close()
+
+
 def test_runtime_wide_history_refuses_a_call_that_names_a_tenant(target, tokenizer) -> None:
     runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[SHARED], device="cpu")
     with pytest.raises(InvalidRequestError, match="history: tenant"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from specagent.calls import CallSpec, constraint_for, run_call, tool_choice_name
 from specagent.decoding import costs as costs_module
 from specagent.decoding import registry
 from specagent.decoding.drafters import PromptLookupDrafter
+from specagent.decoding.drafters.prompt_lookup import NgramFields
 from specagent.decoding.schedule import FixedSchedule
 from specagent.results import StreamChunk
 
@@ -58,20 +59,28 @@ class _CountingLookup(PromptLookupDrafter):
         return super().propose(*args, **kwargs)
 
 
-def _build_counting(config: Any, parts: registry.DraftingParts) -> Any:
+class _CountingConfig(NgramFields):
+    """Its policy block: the n-grams, and nothing of another kind."""
+
+    kind: Literal["counting_lookup"] = "counting_lookup"
+
+
+def _build_counting(config: _CountingConfig, parts: registry.DraftingParts) -> Any:
     return _CountingLookup(config.max_ngram, config.min_ngram), FixedSchedule(
         config.num_speculative_tokens
     )
 
 
-def test_a_new_drafter_is_its_builder_plus_one_registry_entry(
+def test_a_new_drafter_is_its_block_and_builder_plus_one_registry_entry(
     target, tokenizer, monkeypatch
 ) -> None:
     monkeypatch.setitem(
         registry.DRAFTERS,  # type: ignore[arg-type]
         "counting_lookup",
-        registry.DrafterKind(_build_counting),
+        registry.DrafterKind(_CountingConfig, _build_counting),
     )
+    with pytest.raises(ValueError, match="drafter.adaptive"):  # not a setting of this kind
+        make_policy("counting", {"kind": "counting_lookup", "adaptive": False})
     policy = Policy(
         name="counting",
         description="a registered drafter",

@@ -31,7 +31,6 @@ def sampled(reproducible: bool) -> Policy:
             "kind": "draft_model",
             "num_speculative_tokens": 8,
             "confidence_threshold": 0.0,
-            "history": "call",
         },
         sampling={"temperature": 1.0, "max_new_tokens": 48, "seed": 11},
     )

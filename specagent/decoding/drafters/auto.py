@@ -1,5 +1,5 @@
 """``auto``: per step, the better of a history match (``suffix.SuffixDrafter``), the draft
-model's draft (``draft_model.DraftModelDrafter``) and plain decoding, by expected tokens per unit
+model's draft (``model_drafts.DraftModelDrafter``) and plain decoding, by expected tokens per unit
 of cost; where a second draft is worth a few more rows of the same forward, both as one token
 tree."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -18,13 +18,20 @@ from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from ..sampling import SamplingParams
 from ..schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .base import Drafter, DrafterKind, StepwiseDrafter
-from .draft_model import DraftModelDrafter, build_draft_model
-from .suffix import SuffixDrafter, history_drafter
+from .draft_model import ModelDraftFields, build_draft_model
+from .model_drafts import DraftModelDrafter
+from .suffix import HistoryFields, SuffixDrafter, history_drafter
 
 if TYPE_CHECKING:
-    from ..parts import DrafterSettings, DraftingParts
+    from ..parts import DraftingParts
 
-__all__ = ["KIND", "AutoDrafter"]
+__all__ = ["KIND", "AutoConfig", "AutoDrafter"]
+
+
+class AutoConfig(ModelDraftFields, HistoryFields):
+    """``drafter: {kind: auto, ...}``: the draft model's settings and the history's."""
+
+    kind: Literal["auto"] = "auto"
 
 
 class AutoDrafter(StepwiseDrafter):
@@ -167,7 +174,7 @@ class AutoDrafter(StepwiseDrafter):
                 self.schedule.observe(proposed, accepted)
 
 
-def build_auto(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
+def build_auto(config: AutoConfig, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
     """The registry's builder for ``auto``: history, the draft model (if any) or plain."""
     history = history_drafter(config, parts)
     if parts.draft is None:
@@ -180,4 +187,4 @@ def build_auto(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter |
     )
 
 
-KIND = DrafterKind(build_auto, lambda config, parts: parts.draft, reads_history=True)
+KIND = DrafterKind(AutoConfig, build_auto, lambda config, parts: parts.draft, reads_history=True)

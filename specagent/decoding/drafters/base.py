@@ -1,6 +1,7 @@
-"""What every drafter is (``Drafter``, ``StepwiseDrafter``) and declares to the registry
-(``DrafterKind``: its builder, the model its drafting costs, and what it needs), and the helpers
-drafters share (``lookup_continuation``, ``admissible``, ``run_inline``)."""
+"""What every drafter is (``Drafter``, ``StepwiseDrafter``), the policy block every kind's
+settings extend (``DrafterBlock``, ``AdaptiveFields``), what each kind declares to the registry
+(``DrafterKind``: its settings, its builder, the model its drafting costs, and what it needs),
+and the helpers drafters share (``lookup_continuation``, ``admissible``, ``run_inline``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine import ForwardRequest, Runner, advance
 from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
@@ -19,7 +21,9 @@ if TYPE_CHECKING:
     from ..parts import DraftingParts
 
 __all__ = [
+    "AdaptiveFields",
     "Drafter",
+    "DrafterBlock",
     "DrafterKind",
     "StepwiseDrafter",
     "admissible",
@@ -145,6 +149,57 @@ def admissible(tokens: list[int], constraint: TokenConstraint | None) -> Proposa
     return Proposal(tokens=kept, masks=masks) if kept else EMPTY
 
 
+class DrafterBlock(BaseModel):
+    """A policy's ``drafter`` block: the settings every kind has. Each kind's module extends it
+    with its own fields and a ``Literal`` kind (``prompt_lookup.PromptLookupConfig``, ...), and
+    a block holds only its kind's fields, so a setting another kind reads is an error rather than
+    silently ignored (as the relaxed rules' blocks). The registry picks the class by ``kind``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: str
+    """The name the kind is registered under in ``decoding.registry.DRAFTERS``."""
+    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    """k: the most draft tokens proposed per step."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_kind_of_drafter(cls, data: Any) -> Any:
+        if cls is DrafterBlock:
+            msg = (
+                "a drafter block is validated as its kind's settings: give a kind's class "
+                "(such as PromptLookupConfig) or validate it within a policy"
+            )
+            raise ValueError(msg)
+        return data
+
+    def fallback_block(self) -> DrafterBlock | None:
+        """What a runtime without a draft model runs instead of this block (None: nothing)."""
+        return None
+
+    def history_scope(self) -> str:
+        """Whose earlier text drafts for the policy's calls (``HistoryFields.history``); a kind
+        that reads no history drafts from nothing kept."""
+        return "none"
+
+    def fixed(self, k: int) -> DrafterBlock:
+        """This block drafting up to ``k`` tokens every step, adaptive choices off (what
+        ``specagent tune`` measures: the raw cost of one setting)."""
+        return self.model_copy(update={"num_speculative_tokens": k})
+
+
+class AdaptiveFields(DrafterBlock):
+    """Settings of kinds that can pick k per step."""
+
+    adaptive: bool = True
+    """Pick k per step from observed acceptance and measured step costs (k = 0: plain decoding);
+    draft models also end each draft where their calibrated confidence says one more token no
+    longer pays."""
+
+    def fixed(self, k: int) -> DrafterBlock:
+        return super().fixed(k).model_copy(update={"adaptive": False})
+
+
 Build = Callable[[Any, "DraftingParts"], "tuple[Drafter | None, Schedule]"]
 
 
@@ -153,6 +208,8 @@ class DrafterKind:
     """One drafter kind as its module declares it to ``decoding.registry.DRAFTERS``: how a
     call's drafter and schedule are built from the policy's settings, and what it needs."""
 
+    config: type[DrafterBlock]
+    """The kind's policy block (its ``kind`` is the name it is registered under)."""
     build: Build
     cost_runner: Callable[[Any, DraftingParts], Runner | None] = lambda config, parts: None
     """The model whose forwards drafting costs (None: free; only verification is priced)."""

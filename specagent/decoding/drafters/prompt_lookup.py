@@ -4,19 +4,49 @@ extraction, editing and tool-call arguments."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from ..proposal import EMPTY, Proposal, TokenConstraint
 from ..sampling import SamplingParams
 from ..schedule import AdaptiveSchedule, FixedSchedule, Schedule
-from .base import Drafter, DrafterKind, admissible, lookup_continuation
+from .base import (
+    AdaptiveFields,
+    Drafter,
+    DrafterBlock,
+    DrafterKind,
+    admissible,
+    lookup_continuation,
+)
 
 if TYPE_CHECKING:
-    from ..parts import DrafterSettings, DraftingParts
+    from ..parts import DraftingParts
 
-__all__ = ["KIND", "PromptLookupDrafter"]
+__all__ = ["KIND", "NgramFields", "PromptLookupConfig", "PromptLookupDrafter"]
+
+
+class NgramFields(DrafterBlock):
+    """The n-grams a lookup matches (prompt lookup's drafts, a draft model's guesses)."""
+
+    min_ngram: int = Field(default=1, ge=1, le=16)
+    """Shortest n-gram to match."""
+    max_ngram: int = Field(default=3, ge=1, le=16)
+    """Longest n-gram to match (tried first)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramFields:
+        if self.min_ngram > self.max_ngram:
+            msg = f"min_ngram ({self.min_ngram}) must not exceed max_ngram ({self.max_ngram})"
+            raise ValueError(msg)
+        return self
+
+
+class PromptLookupConfig(AdaptiveFields, NgramFields):
+    """``drafter: {kind: prompt_lookup, ...}``."""
+
+    kind: Literal["prompt_lookup"] = "prompt_lookup"
 
 
 class PromptLookupDrafter(Drafter):
@@ -52,7 +82,7 @@ class PromptLookupDrafter(Drafter):
 
 
 def build_prompt_lookup(
-    config: DrafterSettings, parts: DraftingParts
+    config: PromptLookupConfig, parts: DraftingParts
 ) -> tuple[Drafter | None, Schedule]:
     """The registry's builder: lookup drafts are free, so an adaptive schedule prices only
     the verification (``parts.costs(None)``)."""
@@ -63,4 +93,4 @@ def build_prompt_lookup(
     return drafter, AdaptiveSchedule(max_k=k, costs=parts.costs(None))
 
 
-KIND = DrafterKind(build_prompt_lookup)
+KIND = DrafterKind(PromptLookupConfig, build_prompt_lookup)

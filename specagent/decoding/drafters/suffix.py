@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -25,12 +25,41 @@ from ..history import Continuation, SuffixIndex, continuation, runner_up
 from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from ..sampling import SamplingParams
 from ..schedule import FixedSchedule, Schedule
-from .base import Drafter, DrafterKind, admissible
+from .base import Drafter, DrafterBlock, DrafterKind, admissible
 
 if TYPE_CHECKING:
-    from ..parts import DrafterSettings, DraftingParts
+    from ..parts import DraftingParts
 
-__all__ = ["KIND", "SuffixDrafter", "history_drafter"]
+__all__ = ["KIND", "HistoryFields", "SuffixConfig", "SuffixDrafter", "history_drafter"]
+
+
+class HistoryFields(DrafterBlock):
+    """Settings of kinds that draft from text already written."""
+
+    history: Literal["none", "call", "policy", "tenant", "runtime"] = "call"
+    """Whose text may propose tokens for this policy's calls, and where this policy's calls
+    leave theirs. ``none``: no text at all (``auto`` then chooses between the draft model and
+    plain decoding); ``call``: the call's own prompt and output, nothing kept after it;
+    ``policy``: earlier calls of this policy and tenant; ``tenant``: earlier calls of this
+    tenant under any policy that shares at tenant scope; ``runtime``: every earlier call on the
+    runtime (single-tenant deployments: a call that names a tenant is refused). A tenant's text
+    never drafts for another tenant's call."""
+    tree: bool = False
+    """Verify several drafts in one forward as a token tree where the measured costs say the
+    extra rows pay: the history's runner-up continuation beside its best one (where earlier
+    places split), and, for ``auto``, the history's continuation beside the draft model's draft.
+    Lossless calls without a grammar; others verify the first draft alone. Off by default: on
+    the 2-core CPUs measured it did not pay (within 0.3% either way, ``benchmarks/README.md``);
+    a device whose verify curve stays flat for many rows is where it can."""
+
+    def history_scope(self) -> str:
+        return self.history
+
+
+class SuffixConfig(HistoryFields):
+    """``drafter: {kind: suffix, ...}``."""
+
+    kind: Literal["suffix"] = "suffix"
 
 
 class SuffixDrafter(Drafter):
@@ -182,16 +211,16 @@ class SuffixDrafter(Drafter):
         self._indexed.extend(new)
 
 
-def build_suffix(config: DrafterSettings, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
+def build_suffix(config: SuffixConfig, parts: DraftingParts) -> tuple[Drafter | None, Schedule]:
     """The registry's builder for ``suffix``: history drafts, their length from the match."""
     drafter = history_drafter(config, parts)
     return drafter, FixedSchedule(config.num_speculative_tokens)
 
 
-def history_drafter(config: DrafterSettings, parts: DraftingParts) -> SuffixDrafter:
+def history_drafter(config: HistoryFields, parts: DraftingParts) -> SuffixDrafter:
     own = config.history != "none"
     trees = config.tree and parts.target.takes_trees
     return SuffixDrafter(parts.history, parts.costs(None), own_context=own, trees=trees)
 
 
-KIND = DrafterKind(build_suffix, reads_history=True)
+KIND = DrafterKind(SuffixConfig, build_suffix, reads_history=True)
