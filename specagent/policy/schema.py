@@ -96,6 +96,12 @@ class MatchConfig(_Strict):
     """A call whose tags overlap these is routed to this policy when it names none."""
 
 
+def _runnable(drafter: DrafterBlock) -> tuple[DrafterBlock, ...]:
+    """The drafter and, where it has one, its fallback: what a policy may run."""
+    fallback = drafter.fallback_block()
+    return (drafter,) if fallback is None else (drafter, fallback)
+
+
 class Policy(_Strict):
     """One use case's decoding policy."""
 
@@ -122,14 +128,9 @@ class Policy(_Strict):
     differently from k + 1 forwards over one); reproducible makes that difference the same on
     every run. Costs throughput under concurrency."""
 
-    def drafter_blocks(self) -> tuple[DrafterBlock, ...]:
-        """The drafter and, where it has one, its fallback: what this policy may run."""
-        fallback = self.drafter.fallback_block()
-        return (self.drafter,) if fallback is None else (self.drafter, fallback)
-
     @model_validator(mode="after")
     def _reproducible_history(self) -> Policy:
-        for block in self.drafter_blocks() if self.reproducible else ():
+        for block in _runnable(self.drafter) if self.reproducible else ():
             if block.history_scope() not in ("none", "call"):
                 msg = (
                     f"a reproducible policy drafts from its own call only, but drafter.history "
@@ -152,8 +153,7 @@ class Policy(_Strict):
             if acceptance is None:
                 raise ValueError("a relaxed policy needs an acceptance block with a rule")
             drafter = info.data.get("drafter")
-            fallback = drafter.fallback_block() if drafter is not None else None
-            blocks = [block for block in (drafter, fallback) if block is not None]
+            blocks = _runnable(drafter) if drafter is not None else ()
             if any(not DRAFTERS[block.kind].drafts for block in blocks):
                 raise ValueError(
                     "a relaxed policy needs a drafter, but drafter.kind (or fallback) is none"
