@@ -26,7 +26,7 @@ from ..decoding.drafters.early_exit import EarlyExitConfig
 from ..decoding.drafters.none import NoDrafterConfig
 from ..decoding.drafters.prompt_lookup import PromptLookupConfig
 from ..decoding.drafters.suffix import SuffixConfig
-from ..decoding.registry import DRAFTERS, RULES, DrafterConfig
+from ..decoding.registry import DRAFTERS, RULES, DrafterConfig, drafter_block
 from ..decoding.stopping import check_stops
 
 __all__ = [
@@ -110,8 +110,8 @@ class Policy(_Strict):
     description: str = Field(min_length=1)
     """What the policy is for and why it has its mode."""
     mode: Literal["lossless", "relaxed"]
-    drafter: DrafterConfig = Field(default_factory=DraftModelConfig)
-    """The drafter's kind and its settings (``kind: draft_model`` when the block names none)."""
+    drafter: DrafterConfig = Field(default_factory=lambda: drafter_block({}))
+    """The drafter's kind and its settings (``DEFAULT_DRAFTER`` when the block names none)."""
     acceptance: AcceptanceConfig | None = Field(default=None, validate_default=True)
     """Required in relaxed mode; an error in lossless mode."""
     sampling: SamplingConfig = SamplingConfig()
