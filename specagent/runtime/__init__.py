@@ -106,6 +106,7 @@ class SpecRuntime(Backend):
         self._target, self._draft, self.device = _placed(target, draft, device, options)
         self.target = self._target.model
         """The target as passed in or loaded (a torch module, a llama.cpp model)."""
+        has_draft = self._draft is not None
         self.draft = self._draft.model if self._draft is not None else None
         self.tokenizer = tokenizer
         if self._draft is not None:
@@ -119,8 +120,7 @@ class SpecRuntime(Backend):
         self.max_active: int = max_active
         self.max_queue = max_queue
         self.batching = batching
-        """Batch concurrent calls' draft and verification forwards, one forward per model per
-        round (else each call's forward runs on its own)."""
+        """Batch concurrent calls' forwards, one per model per round (else each runs alone)."""
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
         self.engine: str = self._target.engine
         """Which engine runs the forwards (``transformers`` or ``llama.cpp``)."""
@@ -129,7 +129,7 @@ class SpecRuntime(Backend):
         which optional fast paths each model runs with and why (``fast_paths``: a path that
         crashed or miscomputed in a child process at load stays off; ``engines.describe``
         words it)."""
-        check_policies_fit(self.policies, self.draft is not None, self._target)
+        check_policies_fit(self.policies, has_draft, self._target)
         self.audit = audit_store(audit)
         """Where every call's row goes (``specagent.audit``: a database URL or an
         ``AuditStore``; None: no audit): who called which policy, when, with what result and
@@ -142,12 +142,7 @@ class SpecRuntime(Backend):
         (``from_pretrained``: the cache directory; None: measured once per runtime)."""
         self._calls = CallPath(
             admission=Admission(
-                self.policies,
-                tokenizer,
-                self.vocab_size,
-                self.context_window,
-                tuple(eos),
-                has_draft_model=self._draft is not None,
+                self.policies, tokenizer, self.vocab_size, self.context_window, (*eos,), has_draft
             ),
             gate=AdmissionGate(tokenizer, workers=admission_workers),
             telemetry=Telemetry(self.model_name, tracer_provider, meter_provider),
@@ -167,10 +162,7 @@ class SpecRuntime(Backend):
             eos_token_ids=eos,
             prefixes=self.prefix_cache,
             store=probe_store,
-            longest=max(
-                drafter_for(p, self._draft is not None).num_speculative_tokens
-                for p in self.policies
-            )
+            longest=max(drafter_for(p, has_draft).num_speculative_tokens for p in self.policies)
             + 1,
             decode_text=self._decode_text,
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
