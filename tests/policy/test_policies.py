@@ -326,14 +326,16 @@ def test_a_fallback_is_its_own_kind_written_flat_or_as_a_block() -> None:
     ).drafter
     assert flat == nested
     fallback = nested.fallback_block()
-    assert fallback is not None and fallback.kind == "early_exit"
+    assert fallback is not None
+    assert fallback.kind == "early_exit"
     # What the fallback does not set it takes from the block it stands in for, where it has it.
     assert (fallback.num_speculative_tokens, fallback.min_ngram) == (9, 2)
     assert fallback.early_exit_layers == 2  # type: ignore[attr-defined]
     own = _drafter(
         {"kind": "draft_model", "num_speculative_tokens": 9, "fallback": {"kind": "suffix"}}
     ).drafter.fallback_block()
-    assert own is not None and own.num_speculative_tokens == 9
+    assert own is not None
+    assert own.num_speculative_tokens == 9
     assert own.history_scope() == "call"
     with pytest.raises(ValueError, match=r"unknown drafter 'draft_model' for a fallback"):
         _drafter({"kind": "draft_model", "fallback": {"kind": "draft_model"}})
@@ -345,14 +347,16 @@ def test_a_fixed_k_reaches_the_fallback_and_turns_adaptive_choices_off() -> None
     ).drafter
     fixed = drafter.fixed(3)
     fallback = fixed.fallback_block()
-    assert fixed.num_speculative_tokens == 3 and not fixed.adaptive  # type: ignore[attr-defined]
-    assert fallback is not None and fallback.num_speculative_tokens == 3
+    assert fixed.num_speculative_tokens == 3
+    assert not fixed.adaptive  # type: ignore[attr-defined]
+    assert fallback is not None
+    assert fallback.num_speculative_tokens == 3
     assert not fallback.adaptive  # type: ignore[attr-defined]
     assert _drafter({"kind": "suffix"}).drafter.fixed(5).num_speculative_tokens == 5
 
 
 def test_a_reproducible_policy_checks_its_fallbacks_history_too() -> None:
-    with pytest.raises(ValueError, match="drafts from its own call only.*'tenant'"):
+    with pytest.raises(ValueError, match=r"drafts from its own call only.*'tenant'"):
         Policy.model_validate(
             {
                 "name": "x",

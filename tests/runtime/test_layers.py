@@ -79,7 +79,7 @@ def test_a_new_drafter_is_its_block_and_builder_plus_one_registry_entry(
         "counting_lookup",
         registry.DrafterKind(_CountingConfig, _build_counting),
     )
-    with pytest.raises(ValueError, match="drafter.adaptive"):  # not a setting of this kind
+    with pytest.raises(ValueError, match=r"drafter\.adaptive"):  # not a setting of this kind
         make_policy("counting", {"kind": "counting_lookup", "adaptive": False})
     policy = Policy(
         name="counting",
