@@ -95,13 +95,13 @@ def test_drafter_plans_long_drafts_when_confident_and_short_when_not(draft) -> N
 
 def test_drafter_calibrates_its_confidence_by_what_the_target_accepted(draft) -> None:
     drafter = DraftModelDrafter(ModelRunner(draft), costs=CPU_LIKE)
-    drafter._last_confidences = [0.99, 0.99, 0.99, 0.99]
+    drafter._calibration.last = [0.99, 0.99, 0.99, 0.99]
     drafter.observe(4, 0)  # confident and rejected at once
-    assert drafter._tested_hits / drafter._tested_confidence < 0.7
-    drafter._last_confidences = [0.6, 0.6, 0.6]
+    assert drafter._calibration.ratio() < 0.7
+    drafter._calibration.last = [0.6, 0.6, 0.6]
     for _ in range(10):
         drafter.observe(3, 3)  # unsure and always right
-    assert drafter._tested_hits / drafter._tested_confidence > 1.3
+    assert drafter._calibration.ratio() > 1.3
 
 
 def test_cost_planned_drafts_are_prefixes_of_the_full_draft(target, draft) -> None:

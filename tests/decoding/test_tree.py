@@ -291,7 +291,7 @@ def test_trees_are_built_where_the_model_is_chosen_and_history_disagrees(target,
             trees=trees,
         )
         # The history's vote is worth less than the model's expected run: the model drafts.
-        drafter.history._tested_hits = 0.2
+        drafter.history._calibration.hits = 0.2
         proposal = drafter.propose(context, 6, SamplingParams(temperature=0.0), make_generator(0))
         assert proposal.source == "model"
         assert proposal.tokens

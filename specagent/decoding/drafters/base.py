@@ -6,7 +6,7 @@ and the helpers drafters share (``lookup_continuation``, ``admissible``, ``run_i
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdaptiveFields",
+    "Calibration",
     "Drafter",
     "DrafterBlock",
     "DrafterKind",
@@ -113,6 +114,30 @@ class StepwiseDrafter(Drafter):
         constraint: TokenConstraint | None = None,
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
         raise NotImplementedError
+
+
+@dataclass
+class Calibration:
+    """How far a drafter's confidence in its tokens is borne out by the target: decayed sums
+    (0.9 per judged proposal) over the tokens the target judged, of the drafter's confidence in
+    each and of how many it accepted (the priors: the drafter's expectation before any). Their
+    ratio scales the drafter's next confidences."""
+
+    confidence: float
+    hits: float
+    last: list[float] = field(default_factory=list)
+    """The drafter's confidence in each token of its last proposal."""
+
+    def ratio(self) -> float:
+        return self.hits / self.confidence
+
+    def judged(self, proposed: int, accepted: int) -> None:
+        """The target judged the last proposal's tokens up to the first rejected one."""
+        if proposed <= 0:
+            return
+        judged = self.last[: min(accepted + 1, proposed)]
+        self.confidence = self.confidence * 0.9 + sum(judged)
+        self.hits = self.hits * 0.9 + accepted
 
 
 def lookup_continuation(

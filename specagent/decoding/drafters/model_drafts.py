@@ -18,7 +18,7 @@ from ..prefix import common_prefix_length, reuse_prefix
 from ..proposal import EMPTY, Proposal, TokenConstraint
 from ..sampling import SamplingParams, logits_to_probs, sample
 from ..vocab import CallVocabulary
-from .base import StepwiseDrafter, lookup_continuation
+from .base import Calibration, StepwiseDrafter, lookup_continuation
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -72,15 +72,12 @@ class DraftModelDrafter(StepwiseDrafter):
         catches up on a long unseen context (a first prefill) only where the call has enough
         tokens left to earn it back (``catch_up_pays``)."""
         self._declined = False
-        self._tested_confidence = 2.0
-        self._tested_hits = 2.0
-        """Decayed sums over the draft tokens the target has judged: the draft's confidence in
-        each, and how many it accepted (a neutral prior of two tokens). Their ratio calibrates
-        the draft's confidence to the target's acceptance."""
+        self._calibration = Calibration(confidence=2.0, hits=2.0)
+        """The draft's confidence against the target's acceptance (a neutral prior of two
+        tokens)."""
         self._call_hits = 0.4
         self._call_trials = 0.5
         """Decayed per-token acceptance of this call (prior 0.8), as ``AdaptiveSchedule``'s."""
-        self._last_confidences: list[float] = []
         self._guess_hits = 0.0
         self._guess_trials = 0.0
         self.draft_forwards = 0
@@ -109,7 +106,7 @@ class DraftModelDrafter(StepwiseDrafter):
         rows: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
         confidences: list[float] = []
-        self._last_confidences = confidences
+        self._calibration.last = confidences
         stops = _Stops(self, k)
         if self.on_device and constraint is None:
             proposal = yield from self._drafted_on_device(
@@ -255,7 +252,7 @@ class DraftModelDrafter(StepwiseDrafter):
         valid = start + len(feed) + kept - 1
         crop_to(self.cache, valid)
         del self._cached[valid:]
-        self._last_confidences = confidences[:kept]
+        self._calibration.last = confidences[:kept]
         if params.greedy:
             return Proposal(tokens=tokens[:kept])
         return Proposal(tokens=tokens[:kept], probs=torch.stack(rows[:kept]))
@@ -356,9 +353,7 @@ class DraftModelDrafter(StepwiseDrafter):
         """Calibrate: the target judged the draft tokens up to the first rejected one."""
         if proposed <= 0:
             return
-        judged = self._last_confidences[: min(accepted + 1, proposed)]
-        self._tested_confidence = self._tested_confidence * 0.9 + sum(judged)
-        self._tested_hits = self._tested_hits * 0.9 + accepted
+        self._calibration.judged(proposed, accepted)
         self._call_hits = self._call_hits * 0.95 + accepted
         self._call_trials = self._call_trials * 0.95 + accepted + (1 if accepted < proposed else 0)
 
@@ -377,7 +372,7 @@ class _Stops:
     def __init__(self, drafter: DraftModelDrafter, k: int) -> None:
         self._drafter, self._k = drafter, k
         self._expected, self._all_accepted = 1.0, 1.0  # tokens expected; P(all pass)
-        self._calibration = drafter._tested_hits / drafter._tested_confidence
+        self._calibration = drafter._calibration.ratio()
         # The schedule has decided to draft: at least one token, however the plan looks.
         self.planned = max(1, drafter._planned_length(0, k, 1.0, 1.0))
         """The length the draft should reach, as planned after the tokens so far."""

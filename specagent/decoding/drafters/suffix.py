@@ -25,7 +25,7 @@ from ..history import Continuation, SuffixIndex, continuation, runner_up
 from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from ..sampling import SamplingParams
 from ..schedule import FixedSchedule, Schedule
-from .base import Drafter, DrafterBlock, DrafterKind, admissible
+from .base import Calibration, Drafter, DrafterBlock, DrafterKind, admissible
 
 if TYPE_CHECKING:
     from ..parts import DraftingParts
@@ -82,11 +82,9 @@ class SuffixDrafter(Drafter):
         tree (``with_runner_up``)."""
         self.own = SuffixIndex() if own_context else None
         self._indexed: list[int] = []
-        self._tested_confidence = 2.0
-        self._tested_hits = 1.6
-        """Decayed sums over judged history tokens: their vote shares, and how many the target
-        accepted (prior: 80% of the vote share)."""
-        self._last_confidences: list[float] = []
+        self._calibration = Calibration(confidence=2.0, hits=1.6)
+        """History tokens' vote shares against the target's acceptance (prior: 80% of the vote
+        share)."""
 
     def candidate(
         self, context: list[int], limit: int, after: Callable[[float], float] | None = None
@@ -166,12 +164,12 @@ class SuffixDrafter(Drafter):
 
     def calibration(self) -> float:
         """What the target accepted of earlier history drafts per unit of their vote share."""
-        return self._tested_hits / self._tested_confidence
+        return self._calibration.ratio()
 
     def take(self, found: Continuation, constraint: TokenConstraint | None) -> Proposal:
         """Propose ``found`` (the admissible part under a constraint)."""
         proposal = admissible(list(found.tokens), constraint) if found.tokens else EMPTY
-        self._last_confidences = found.confidences[: len(proposal.tokens)]
+        self._calibration.last = found.confidences[: len(proposal.tokens)]
         return Proposal(proposal.tokens, masks=proposal.masks, source="history")
 
     def propose(
@@ -188,11 +186,7 @@ class SuffixDrafter(Drafter):
         return self.take(found, constraint)
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if proposed <= 0:
-            return
-        judged = self._last_confidences[: min(accepted + 1, proposed)]
-        self._tested_confidence = self._tested_confidence * 0.9 + sum(judged)
-        self._tested_hits = self._tested_hits * 0.9 + accepted
+        self._calibration.judged(proposed, accepted)
 
     def _sync(self, context: list[int]) -> None:
         """Index the context's new tokens (a call's context only grows, unless a drafter was
