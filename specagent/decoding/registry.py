@@ -47,8 +47,6 @@ def drafter_block(data: Any, *, fallback: bool = False) -> Any:
     """A policy's ``drafter`` block as its kind's settings (``DRAFTERS[kind].config``), looked
     up when it is validated, so that a kind registered later validates too. ``fallback``: the
     block runs on a runtime without a draft model, so only kinds that need none are known."""
-    if isinstance(data, str) and fallback:
-        data = {"kind": data}
     kind = data.kind if isinstance(data, DrafterBlock) else None
     if isinstance(data, Mapping):
         data = {"kind": DEFAULT_DRAFTER, **data}
@@ -65,10 +63,9 @@ def drafter_block(data: Any, *, fallback: bool = False) -> Any:
 
 
 def _fallback_block(data: Any, info: ValidationInfo) -> Any:
-    """A fallback given by name or as a mapping takes the fields it does not set from the block
-    it falls back from, where it has them too (``info.data``: that block's fields)."""
-    if isinstance(data, str):
-        data = {"kind": data}
+    """A fallback given as a mapping (a name alone is one: ``DraftModelConfig._flat_fallback``)
+    takes the fields it does not set from the block it falls back from, where it has them too
+    (``info.data``: that block's fields)."""
     if isinstance(data, Mapping) and data.get("kind") in DRAFTERS:
         fields = DRAFTERS[data["kind"]].config.model_fields
         shared = {k: v for k, v in info.data.items() if k in fields and k != "kind"}
