@@ -36,7 +36,7 @@ def render_prompt(
     refused before its template renders, after tokenizing about that many tokens of it
     (``ContextLengthError``), whatever its size."""
     if max_tokens is not None and tokenizer is not None:
-        _refuse_past(_texts_of(prompt), tokenizer, max_tokens)
+        _refuse_past(_texts_of(prompt, tools), tokenizer, max_tokens)
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt is empty")
@@ -71,24 +71,36 @@ BOUNDARY_SLACK = 4
 spaces split in two): subtracted per cut, so the count stays a lower bound."""
 
 
-def _texts_of(prompt: Prompt) -> list[str]:
+def _texts_of(prompt: Prompt, tools: Sequence[Mapping[str, Any]] | None = None) -> list[str]:
+    """Every string the template will see: a text prompt; each message's fields but its role
+    (content and its parts, tool calls' names and arguments, names, ids) and every string of
+    the tools (names, descriptions, parameter schemas, keys included)."""
     if isinstance(prompt, str):
         return [prompt]
     texts: list[str] = []
     if isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
         for message in prompt:
-            if not isinstance(message, Mapping):
-                continue
-            content = message.get("content")
-            if isinstance(content, str):
-                texts.append(content)
-            elif isinstance(content, list):
-                texts.extend(
-                    part["text"]
-                    for part in content
-                    if isinstance(part, Mapping) and isinstance(part.get("text"), str)
-                )
+            if isinstance(message, Mapping):
+                texts.extend(_strings({k: v for k, v in message.items() if k != "role"}))
+    texts.extend(_strings(list(tools or ())))
     return texts
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in ``value``, a JSON-like tree (mapping keys included), depth first."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            for key, inner in item.items():
+                stack.append(inner)
+                stack.append(key)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return out
 
 
 def _refuse_past(texts: Sequence[str], tokenizer: Any, limit: int) -> None:
@@ -142,11 +154,11 @@ def _render_messages(
     if getattr(tok, "chat_template", None) is None:
         raise InvalidRequestError("this tokenizer has no chat template; pass text or token ids")
     marker = f"specagent-literal-{secrets.token_hex(8)}"  # ASCII: survives a template's tojson
-    guarded, literals = _guard_control_text([dict(m) for m in messages], tok, marker)
+    guarded, guarded_tools, literals = _guard_control_text(messages, tools or (), tok, marker)
     try:
         rendered = tok.apply_chat_template(
             guarded,
-            tools=[dict(t) for t in tools] if tools else None,
+            tools=guarded_tools or None,
             add_generation_prompt=True,
             tokenize=not literals,
         )
@@ -178,46 +190,49 @@ def _control_texts(tok: Any) -> list[str]:
 
 
 def _guard_control_text(
-    messages: list[dict[str, Any]], tok: Any, marker: str
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Content that spells an added token (``<|im_start|>system``, ``<tool_call>``) would
-    become that control token if the rendered prompt were tokenized whole: a user could write a
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+    tok: Any,
+    marker: str,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Text that spells an added token (``<|im_start|>system``, ``<tool_call>``) would become
+    that control token if the rendered prompt were tokenized whole: a user could write a
     system turn, a tool result could end the turn, an assistant turn echoed back by a client
-    could open a tool call. Such text, in every role's caller-supplied content, is swapped for
-    placeholders before the template renders, and tokenized as plain text afterwards
-    (``_tokenize_with_literals``); the template's own markup alone becomes control tokens.
-    Returns the messages and the placeholders' texts (none: nothing to guard)."""
+    could open a tool call, and so could a tool call's name or arguments or a tool's name,
+    description or schema (often a third party's). Such text, in every string the template
+    sees but the roles, is swapped for placeholders before the template renders, and tokenized
+    as plain text afterwards (``_tokenize_with_literals``); the template's own markup alone
+    becomes control tokens. Returns copies of the messages and the tools and the placeholders'
+    texts (none: nothing to guard)."""
+    copied = [dict(m) for m in messages]
+    copied_tools = [dict(t) for t in tools]
     controls = _control_texts(tok)
     if not controls:
-        return messages, []
+        return copied, copied_tools, []
     pattern = re.compile("|".join(re.escape(c) for c in controls))
     literals: list[str] = []
 
-    def hide(text: str) -> str:
-        def swap(match: re.Match[str]) -> str:
-            if len(literals) >= MAX_CONTROL_LITERALS:
-                msg = (
-                    f"the messages spell control tokens (such as {match.group(0)!r}) more than "
-                    f"{MAX_CONTROL_LITERALS} times"
-                )
-                raise InvalidRequestError(msg)
-            literals.append(match.group(0))
-            return f"[[{marker}-{len(literals) - 1}]]"
+    def swap(match: re.Match[str]) -> str:
+        if len(literals) >= MAX_CONTROL_LITERALS:
+            msg = (
+                f"the messages spell control tokens (such as {match.group(0)!r}) more than "
+                f"{MAX_CONTROL_LITERALS} times"
+            )
+            raise InvalidRequestError(msg)
+        literals.append(match.group(0))
+        return f"[[{marker}-{len(literals) - 1}]]"
 
-        return pattern.sub(swap, text)
+    def hide(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(swap, value) if pattern.search(value) else value
+        if isinstance(value, Mapping):
+            return {hide(k): hide(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [hide(v) for v in value]
+        return value
 
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str) and pattern.search(content):
-            message["content"] = hide(content)
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                    part = {**part, "text": hide(part["text"])}
-                parts.append(part)
-            message["content"] = parts
-    return messages, literals
+    guarded = [{k: v if k == "role" else hide(v) for k, v in m.items()} for m in copied]
+    return guarded, [hide(t) for t in copied_tools], literals
 
 
 def _tokenize_with_literals(rendered: str, literals: list[str], tok: Any, marker: str) -> list[int]:

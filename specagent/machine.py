@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ProbeStore", "config_key", "machine_info", "machine_kind"]
+__all__ = ["ProbeStore", "config_key", "machine_info", "machine_kind", "python_child"]
 
 _ISA_FLAGS = (
     "avx",
@@ -163,7 +164,9 @@ class ProbeStore:
         return dict(entries) if isinstance(entries, dict) else {}
 
     def get(self, key: str) -> Any | None:
-        return self._read().get("entries", {}).get(key)
+        """What is recorded under ``key`` (None: nothing, or a file not of this shape: its
+        reader measures again)."""
+        return self.entries().get(key)
 
     def put(self, key: str, value: Any) -> None:
         """Record ``value`` under ``key``; a failed write only costs a later re-measurement."""
@@ -179,3 +182,14 @@ class ProbeStore:
             os.replace(tmp.name, self.path)
         except OSError:
             pass
+
+
+def python_child(code: str) -> list[str]:
+    """The command that runs ``code`` in a child Python importing what this process imports
+    and nothing from the working directory: isolated (``-I``: no ``PYTHON*`` variables, no
+    working or script directory on the path; a planted ``json.py`` is never run), with this
+    process's import path handed over, less the entry for where it was started from."""
+    path = list(sys.path)
+    if path and path[0] in ("", ".", os.getcwd()):
+        path = path[1:]
+    return [sys.executable, "-I", "-c", f"import sys\nsys.path[:] = {path!r}\n{code}"]

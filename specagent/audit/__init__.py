@@ -19,7 +19,7 @@ from pathlib import Path
 from .query import parse_since, policy_summaries, read_calls
 from .rows import call_row
 from .schema import CALLS, MINUTES_VIEW, SCHEMA_VERSION
-from .store import AuditStore
+from .store import AuditStore, masked, masked_url
 
 __all__ = [
     "CALLS",
@@ -28,6 +28,8 @@ __all__ = [
     "AuditStore",
     "call_row",
     "default_audit_url",
+    "masked",
+    "masked_url",
     "open_audit",
     "parse_since",
     "policy_summaries",

@@ -1,5 +1,7 @@
 """One ``specagent_calls`` row from what a front door knows of a call: numbers and names, never
-the prompt or the output (nor anything that could restore them)."""
+the prompt or the output (nor anything that could restore them). Every text cell is printable
+and fits its column: front doors refuse control characters already, and a row that still had
+one would cost the database's whole batch (PostgreSQL refuses a NUL)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,13 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
-__all__ = ["call_row"]
+from sqlalchemy import String
+
+from .schema import CALLS
+
+__all__ = ["call_row", "text_cell"]
+
+_LENGTHS = {c.name: c.type.length for c in CALLS.columns if isinstance(c.type, String)}
 
 
 def call_row(
@@ -61,4 +69,16 @@ def call_row(
             accepted_by_source=dict(stats.accepted_by_source),
             trace_id=getattr(result, "trace_id", None) or trace_id,
         )
+    for name, length in _LENGTHS.items():
+        row[name] = text_cell(row.get(name), length)
     return row
+
+
+def text_cell(value: Any, length: int | None) -> Any:
+    """``value`` as a cell: a string's control characters escaped (``\\x00``), cut to
+    ``length``; anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    if not value.isprintable():
+        value = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in value)
+    return value[:length] if length else value

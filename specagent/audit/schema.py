@@ -2,7 +2,10 @@
 schema for SQLite and PostgreSQL).
 
 ``specagent_calls`` has one row per call, numbers and names only: never a prompt, an output,
-or anything derived from them that could restore them. ``specagent_policy_minutes`` is a view
+or anything derived from them that could restore them. ``specagent_refusals`` counts the
+requests refused before any valid key was shown (a wrong or missing key, a body too large to
+read): one row per minute, source address and status with a count, not a row per request, so a
+client without a key cannot grow the store faster than a bounded number of rows a minute. ``specagent_policy_minutes`` is a view
 a BI tool reads directly: per minute and policy, calls, errors, latency percentiles, tokens per
 second, acceptance, divergence and fallbacks (nearest-rank percentiles by window functions,
 which both backends have). ``specagent_audit_schema`` holds the schema's version; ``migrate``
@@ -29,9 +32,17 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection, Engine
 
-__all__ = ["CALLS", "METADATA", "MINUTES_VIEW", "SCHEMA_VERSION", "VERSION", "migrate"]
+__all__ = [
+    "CALLS",
+    "METADATA",
+    "MINUTES_VIEW",
+    "REFUSALS",
+    "SCHEMA_VERSION",
+    "VERSION",
+    "migrate",
+]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 METADATA = MetaData()
 
@@ -64,6 +75,23 @@ CALLS = Table(
     Index("ix_specagent_calls_at", "at"),
     Index("ix_specagent_calls_policy_minute", "policy", "minute"),
     Index("ix_specagent_calls_key", "key_name", "at"),
+)
+
+REFUSALS = Table(
+    "specagent_refusals",
+    METADATA,
+    Column("id", String(36), primary_key=True, comment="a UUID per row"),
+    Column("minute", DateTime(timezone=True), nullable=False, comment="the minute counted, UTC"),
+    Column("front_door", String(16), nullable=False, comment="server"),
+    Column(
+        "source",
+        String(64),
+        nullable=False,
+        comment="the client's address; 'other': past the per-minute bound of addresses",
+    ),
+    Column("status", String(64), nullable=False, comment="HTTP status (401, 413, 503...)"),
+    Column("count", Integer, nullable=False, comment="requests refused so in that minute"),
+    Index("ix_specagent_refusals_minute", "minute"),
 )
 
 VERSION = Table(
@@ -122,7 +150,11 @@ def _create_v1(connection: Connection) -> None:
     connection.execute(text(_MINUTES_SQL))
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1}
+def _create_v2(connection: Connection) -> None:
+    METADATA.create_all(connection, tables=[REFUSALS])
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _create_v2}
 """``MIGRATIONS[v]`` brings a store at version ``v - 1`` (0: empty) to version ``v``."""
 
 

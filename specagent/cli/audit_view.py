@@ -46,7 +46,10 @@ def _cell(value: Any) -> str:
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
     if hasattr(value, "isoformat"):
         return value.isoformat(timespec="seconds")
-    return str(value)
+    from ..audit.rows import text_cell  # (the audit command has SQLAlchemy; the CLI needs not)
+
+    # A user value is the caller's text: its escape sequences must not drive the terminal.
+    return str(text_cell(str(value), None))
 
 
 def _table(title: str, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:

@@ -77,7 +77,7 @@ def machine_section() -> dict[str, Any]:
 def check_transformers() -> dict[str, Any]:
     """Whether torch and transformers run a model's forwards here (in a child process)."""
     from ..engines.llama_cpp.probe import describe_exit
-    from ..machine import _installed
+    from ..machine import _installed, python_child
 
     found = {"transformers": _installed("transformers"), "torch": _installed("torch")}
     if not all(found.values()):
@@ -85,7 +85,7 @@ def check_transformers() -> dict[str, Any]:
     started = time.perf_counter()
     try:
         done = subprocess.run(
-            [sys.executable, "-c", TRANSFORMERS_CHECK],
+            python_child(TRANSFORMERS_CHECK),
             capture_output=True,
             text=True,
             timeout=600,

@@ -4,6 +4,7 @@ Serve behind one ingress; and ``specagent audit``, which reads the store the ser
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from .arguments import compile_steps, policy_set, target_and_draft
 from .audit_view import print_audit
 
 __all__ = ["audit_command", "serve_command"]
+
+log = logging.getLogger("specagent.server")
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -66,6 +69,13 @@ def _tls(args: argparse.Namespace) -> tuple[str, str] | None:
     for path in (cert, key):
         if not Path(path).is_file():
             raise SpecAgentError(f"no such file: {path}")
+    mode = Path(key).stat().st_mode
+    if mode & 0o077:
+        log.warning(
+            "the TLS private key %s is readable by others (mode %o): chmod 600 it",
+            key,
+            mode & 0o777,
+        )
     return str(cert), str(key)
 
 
@@ -77,16 +87,20 @@ def _audit_store(args: argparse.Namespace) -> Any:
             raise SpecAgentError("--audit-required needs an audit store; drop --no-audit")
         return None
     try:
-        from ..audit import AuditStore
+        from ..audit import AuditStore, masked, masked_url
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SpecAgentError(
             f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
         ) from exc
     url = _audit_url(args)
     try:
-        return AuditStore(url, retention_days=args.audit_retention_days)
+        return AuditStore(
+            url, retention_days=args.audit_retention_days, max_rows=args.audit_max_rows
+        )
     except Exception as exc:
-        raise SpecAgentError(f"cannot open the audit store {url}: {exc}") from exc
+        # Neither the URL's password nor the driver's echo of it reaches the terminal.
+        hidden = masked_url(url)
+        raise SpecAgentError(f"cannot open the audit store {hidden}: {masked(str(exc), url)}") from None
 
 
 def _audit_url(args: argparse.Namespace) -> str:
@@ -97,13 +111,32 @@ def _audit_url(args: argparse.Namespace) -> str:
 
 
 def audit_command(args: argparse.Namespace) -> int:
-    from ..audit import AuditStore, default_audit_url, parse_since, policy_summaries, read_calls
+    from sqlalchemy.engine import make_url
+
+    from ..audit import (
+        AuditStore,
+        default_audit_url,
+        masked,
+        masked_url,
+        parse_since,
+        policy_summaries,
+        read_calls,
+    )
 
     try:
         since = parse_since(args.since)
     except ValueError as exc:
         raise SpecAgentError(str(exc)) from None
-    store = AuditStore(args.db or default_audit_url())
+    url = args.db or default_audit_url()
+    if url.startswith("sqlite"):
+        path = make_url(url).database
+        if not path or path == ":memory:" or not Path(path).expanduser().is_file():
+            raise SpecAgentError(f"no audit store at {url} (the server writes it; see --db)")
+    # Reading evicts nothing and deletes nothing: no size bound, no retention.
+    try:
+        store = AuditStore(url, max_rows=None)
+    except Exception as exc:
+        raise SpecAgentError(f"cannot open the audit store {masked_url(url)}: {masked(str(exc), url)}") from None
     try:
         filters = {"since": since, "policy": args.policy, "key": args.key}
         rows = read_calls(store.engine, limit=args.limit, **filters)
@@ -140,6 +173,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         "audit": None if args.no_audit else _audit_url(args),
         "audit_required": args.audit_required,
         "audit_retention_days": args.audit_retention_days,
+        "audit_max_rows": args.audit_max_rows,
     }
     tls = _tls(args)
     if args.write_config:

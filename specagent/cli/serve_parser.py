@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+DEFAULT_MAX_ROWS = 10_000_000
+"""As ``specagent.audit.store.DEFAULT_MAX_ROWS`` (the parser imports no SQLAlchemy)."""
+
 from .arguments import DEFAULT_AUDIT_HELP, DTYPES, command, compile_option, model_options
 
 __all__ = ["add_serve"]
@@ -104,10 +107,18 @@ def _serve_audit_and_tls(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--audit-retention-days",
-        type=float,
+        type=_positive_days,
         default=None,
         metavar="DAYS",
-        help="delete audit rows older than this (default: keep them)",
+        help="delete audit rows older than this, hourly (default: keep them)",
+    )
+    serve.add_argument(
+        "--audit-max-rows",
+        type=_positive_rows,
+        default=DEFAULT_MAX_ROWS,
+        metavar="ROWS",
+        help="the most rows an audit table keeps: past it, its oldest rows are deleted and "
+        f"counted (default: {DEFAULT_MAX_ROWS:,}; 0: no bound)",
     )
     serve.add_argument(
         "--ssl-certfile", type=Path, default=None, help="serve HTTPS with this certificate (PEM)"
@@ -155,3 +166,17 @@ def _serve_on_ray(serve: argparse.ArgumentParser) -> None:
         help="with --ray: write a Ray Serve config file for these options (for `serve deploy` "
         "on a cluster) and exit",
     )
+
+
+def _positive_days(value: str) -> float:
+    days = float(value)
+    if not days > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 days (leave it out to keep rows): {value}")
+    return days
+
+
+def _positive_rows(value: str) -> int | None:
+    rows = int(value)
+    if rows < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no bound) or more: {value}")
+    return rows or None

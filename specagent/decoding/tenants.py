@@ -32,6 +32,10 @@ class Tenant:
             if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME_CHARS:
                 msg = f"tenant {field} must be a non-empty string of at most {MAX_NAME_CHARS} chars"
                 raise ValueError(msg)
+            if not value.isprintable():
+                # It names the call in spans, audit rows and logs: no NUL, no terminal escape.
+                msg = f"tenant {field} must be printable characters (no control characters)"
+                raise ValueError(msg)
 
     def __str__(self) -> str:
         return self.principal if self.sub is None else f"{self.principal}/{self.sub}"

@@ -140,10 +140,10 @@ class Decoder:
         return min(known) if known else None
 
     def kv_need(self, request: Request) -> int:
-        """What a call may come to hold of the shared KV: its prompt, its new tokens and its
-        longest draft; nothing for a reproducible call, whose KV is its own."""
-        if request.reproducible:
-            return 0
+        """What a call may come to hold of the KV: its prompt, its new tokens and its longest
+        draft. A reproducible call counts as much though its KV may be a context of its own
+        (llama.cpp): that is memory too, and a flood of such calls must wait its turn like any
+        other, not hold KV past the budget beside the calls of the pool."""
         return len(request.prompt_ids) + request.max_new_tokens + self.costs.longest
 
     def background(

@@ -18,20 +18,22 @@ itself is ``specagent.calls``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from sse_starlette import EventSourceResponse
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..backend import Backend
 from ..calls import run_call
 from ..errors import SpecAgentError
 from .dashboard_routes import add_dashboard_routes
 from .errors import ApiError, as_api_error
-from .keys import KeyStore
-from .limits import Limited
+from .keys import ApiKey, KeyStore
+from .limits import Limited, Limits
 from .metrics import HttpMetrics, observe_activity, observe_audit
 from .middleware import BodyLimit
 from .options import ServerOptions
@@ -60,6 +62,8 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
         max_bytes=options.max_body_bytes,
         refused=lambda request: served.ended(request, 413),
     )
+    if options.allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(options.allowed_hosts))
     if options.meter_provider is not None:
         app.add_middleware(HttpMetrics, meter_provider=options.meter_provider)  # outermost
         if options.audit is not None:
@@ -152,21 +156,25 @@ def _add_chat(app: FastAPI, served: Served) -> None:
         if options.audit_required and (audit is None or not audit.healthy):
             message = "the audit store cannot record calls now, and this server needs a record"
             raise ApiError(503, message, "unavailable", code="audit_unavailable")
+        # JSON only: a browser page may POST text/plain anywhere without asking first, never
+        # application/json (the cross-origin preflight stops it).
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            message = "the request body must be JSON (Content-Type: application/json)"
+            raise ApiError(415, message, "invalid_request_error", code="unsupported_media_type")
         # The key's limits before its body is read and parsed: a limited key's megabyte
         # costs nothing.
         try:
             release = limits.acquire(key, default_concurrent=served.per_key)
         except Limited as exc:
-            raise ApiError(
-                429,
-                str(exc),
-                "rate_limit_error",
-                code="rate_limited",
-                headers={"Retry-After": str(exc.retry_after)},
-            ) from None
+            raise _limited(exc) from None
         try:
             body = parse_body(await request.body())
             call = call_spec(backend, body, request, key, options)
+            if backend.policies[call.call.policy or ""].reproducible:
+                release = _with_reproducible_slot(limits, key, options, release)
+        except Limited as exc:
+            release()
+            raise _limited(exc) from None
         except BaseException:
             release()
             raise
@@ -212,6 +220,26 @@ def _add_chat(app: FastAPI, served: Served) -> None:
             lambda status, result: served.ended(request, status, result),
         )
         return EventSourceResponse(events, ping=15, send_timeout=30)
+
+
+def _limited(exc: Limited) -> ApiError:
+    headers = {"Retry-After": str(exc.retry_after)}
+    return ApiError(429, str(exc), "rate_limit_error", code="rate_limited", headers=headers)
+
+
+def _with_reproducible_slot(
+    limits: Limits, key: ApiKey, options: ServerOptions, release: Callable[[], None]
+) -> Callable[[], None]:
+    """``release`` that also gives back one of the key's reproducible slots, taken now
+    (``Limited`` where it has none left)."""
+    bound = key.max_reproducible if key.max_reproducible is not None else options.max_reproducible
+    release_reproducible = limits.acquire_reproducible(key, bound)
+
+    def both() -> None:
+        release_reproducible()
+        release()
+
+    return both
 
 
 def _model_entry(model_id: str, mode: str | None, parent: str | None) -> dict[str, Any]:

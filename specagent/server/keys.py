@@ -16,6 +16,7 @@ Key file (YAML)::
         max_concurrent: 8              # optional (default: the server's --max-concurrent)
         max_tokens: 1024               # optional (default: the server's --max-tokens)
         timeout_s: 60                  # optional (default: the server's --timeout)
+        max_reproducible: 2            # optional: reproducible calls in flight (default 2)
 
 ``SPECAGENT_API_KEYS`` (comma-separated ``name=key`` pairs, or bare keys) adds keys that may use
 every policy.
@@ -65,6 +66,8 @@ class ApiKey(BaseModel):
     """The most new tokens one call may ask for (None: the server's ``--max-tokens``)."""
     timeout_s: float | None = Field(default=None, gt=0)
     """Each call's deadline in seconds (None: the server's ``--timeout``)."""
+    max_reproducible: int | None = Field(default=None, ge=1)
+    """Reproducible calls in flight (None: the server's ``max_reproducible``)."""
 
     @field_validator("policies", mode="before")
     @classmethod

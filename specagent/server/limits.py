@@ -1,4 +1,6 @@
-"""Per-key limits: requests per minute (a token bucket) and calls in flight.
+"""Per-key limits: requests per minute (a token bucket), calls in flight, and of those the
+reproducible ones (each holds KV and a context of its own on some engines: a key's flood of
+them must not take what other keys' calls need).
 
 A refused request gets 429 with ``Retry-After`` (seconds until the bucket has a token again);
 the runtime's own queue bound (``max_queue``) answers 429 the same way when the whole server is
@@ -51,6 +53,7 @@ class Limits:
         self._lock = threading.Lock()
         self._buckets: dict[str, _Bucket] = {}
         self._in_flight: dict[str, int] = {}
+        self._reproducible: dict[str, int] = {}
 
     def acquire(self, key: ApiKey, default_concurrent: int | None = None) -> Callable[[], None]:
         """Take one of ``key``'s slots for a call, or raise ``Limited``; the returned function
@@ -83,6 +86,28 @@ class Limits:
                 if not released.is_set():
                     released.set()
                     self._in_flight[key.name] -= 1
+
+        return release
+
+    def acquire_reproducible(self, key: ApiKey, bound: int) -> Callable[[], None]:
+        """Take one of ``key``'s reproducible slots (at most ``bound`` in flight), or raise
+        ``Limited``; the returned function gives it back (once)."""
+        with self._lock:
+            running = self._reproducible.get(key.name, 0)
+            if running >= bound:
+                msg = (
+                    f"API key {key.name!r} already has {running} reproducible calls in flight "
+                    "(its limit: each holds memory of its own)"
+                )
+                raise Limited(msg, retry_after=1)
+            self._reproducible[key.name] = running + 1
+        released = threading.Event()
+
+        def release() -> None:
+            with self._lock:
+                if not released.is_set():
+                    released.set()
+                    self._reproducible[key.name] -= 1
 
         return release
 

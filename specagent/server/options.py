@@ -33,6 +33,9 @@ class ServerOptions:
     """Calls in flight per key, for keys that set no ``max_concurrent`` of their own. None: a
     quarter of the runtime's decoding slots (``max_active``; at least one), so that no key
     alone fills them and other keys' calls always progress."""
+    max_reproducible: int = 2
+    """Reproducible calls in flight per key, for keys that set no ``max_reproducible``: each
+    runs alone and, on llama.cpp, in a context of its own."""
     meter_provider: Any = None
     """Where the server's own HTTP metric goes (``metrics.HttpMetrics``; ``specagent serve``
     passes the runtime's, so ``/metrics`` shows it). None: not recorded."""
@@ -46,3 +49,7 @@ class ServerOptions:
     audit)."""
     audit_required: bool = False
     """Refuse calls (503) while the audit store cannot record them: no record, no call."""
+    allowed_hosts: tuple[str, ...] | None = None
+    """The names a request's ``Host`` header may give (None: any). ``specagent serve --no-auth``
+    sets the loopback names and the address it listens on, so that a web page, or a DNS name
+    rebound to the loopback, cannot drive a developer's open server from a browser."""

@@ -22,16 +22,19 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import yaml
+from ray import exceptions as ray_exceptions
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from ..audit.store import DEFAULT_MAX_ROWS
 from ..backend import Backend
 from ..call import Call
 from ..errors import GenerationError, SpecAgentError
@@ -142,6 +145,16 @@ class SpecReplica:
             runtime.close(drain=False)
 
 
+REPLICA_LOST: tuple[type[BaseException], ...] = (
+    ray_exceptions.RayActorError,
+    ray_exceptions.ActorUnavailableError,
+    ray_exceptions.WorkerCrashedError,
+    ray_exceptions.NodeDiedError,
+)
+"""What Ray raises where a replica died or could not be reached: the only failures another
+replica may answer instead (a call is retried there only before its first token)."""
+
+
 def _cause(exc: BaseException) -> BaseException:
     """The exception a replica raised, out of Ray's wrappers (``RayTaskError`` and its
     subclasses made per cause keep the original as ``cause``)."""
@@ -199,8 +212,13 @@ class RemoteBackend(Backend):
                 # The replica's own error, without Ray's wrapping (its traceback, paths, pid,
                 # address and actor id are the operator's business, never the client's).
                 raise cause from None
-            log.error("replica failed: %r", exc)  # the replica died or could not be reached
-            raise GenerationError("the replica serving this call failed") from None
+            if isinstance(exc, REPLICA_LOST) or isinstance(cause, REPLICA_LOST):
+                log.error("replica failed: %r", exc)  # died or unreachable: worth another one
+                raise GenerationError("the replica serving this call failed") from None
+            # The replica ran the call and it failed there, on its input (a ValueError: 422)
+            # or on a fault of its own (500): another replica would fail the same way, so the
+            # call is not retried; the error's text stays in the log (as_api_error).
+            raise cause from None
         finally:
             if not finished:
                 response.cancel()
@@ -245,7 +263,11 @@ class Ingress:
             # The ingress records every call (its replicas record none): one store per ingress.
             from ..audit import AuditStore
 
-            store = AuditStore(str(audit["url"]), retention_days=audit.get("retention_days"))
+            store = AuditStore(
+                str(audit["url"]),
+                retention_days=audit.get("retention_days"),
+                max_rows=audit.get("max_rows", DEFAULT_MAX_ROWS),
+            )
             options = dataclasses.replace(
                 options, audit=store, audit_required=bool(audit.get("required"))
             )
@@ -275,6 +297,7 @@ def build_app(
     audit: str | None = None,
     audit_required: bool = False,
     audit_retention_days: float | None = None,
+    audit_max_rows: int | None = DEFAULT_MAX_ROWS,
 ) -> Any:
     """The Ray Serve application: an ingress and one replica group per policy group.
 
@@ -317,7 +340,12 @@ def build_app(
             {"model_name": name, **(runtime_options or {})},
             token,
         )
-    audited = {"url": audit, "required": audit_required, "retention_days": audit_retention_days}
+    audited = {
+        "url": audit,
+        "required": audit_required,
+        "retention_days": audit_retention_days,
+        "max_rows": audit_max_rows,
+    }
     return cast(Any, Ingress).bind(
         name,
         policy_set,
@@ -343,6 +371,8 @@ def app_builder(args: dict[str, Any]) -> Any:
     for key in ("cpus_per_replica", "gpus_per_replica"):
         if key in args:
             args[key] = float(args[key])
+    if args.get("audit_max_rows") is not None:
+        args["audit_max_rows"] = int(args["audit_max_rows"]) or None
     if isinstance(args.get("groups"), str):
         args["groups"] = json.loads(args["groups"])
     if isinstance(args.get("no_auth"), str):
@@ -377,7 +407,11 @@ def write_config(
         ],
     }
     out = Path(path)
-    out.write_text(yaml.safe_dump(config, sort_keys=False))
+    # Owner-only: it may hold a database URL with a password and the key file's path.
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        os.fchmod(file.fileno(), 0o600)  # an existing file keeps its mode otherwise
+        file.write(yaml.safe_dump(config, sort_keys=False))
     return out
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "default_per_key",
     "parse_body",
     "resolved_policy",
+    "token_cap",
     "unavailable_policy",
 ]
 
@@ -146,6 +147,11 @@ def call_spec(
     # server records its calls in the audit store itself (with their HTTP status and key):
     # the runtime does not record them again.
     call = dataclasses.replace(spec.call, policy=chosen, record=False)
+    if call.max_new_tokens is None:
+        # A call that asks for no budget runs with its policy's default, never past the cap.
+        cap = token_cap(key, options)
+        if backend.policies[chosen].sampling.max_new_tokens > cap:
+            call = dataclasses.replace(call, max_new_tokens=cap)
     return dataclasses.replace(spec, call=call)
 
 
@@ -160,10 +166,16 @@ def default_per_key(backend: Backend) -> int:
     return max(1, slots // DEFAULT_SHARE) if slots is not None else 16
 
 
+def token_cap(key: ApiKey, options: ServerOptions) -> int:
+    """The most new tokens one of ``key``'s calls may run: its own cap, else the server's."""
+    return key.max_tokens if key.max_tokens is not None else options.max_tokens
+
+
 def budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:
     """The call's ``max_tokens``: what it asked for, refused over the key's or the server's
-    cap (a call that asks for none runs with its policy's default: the operator's own)."""
-    cap = key.max_tokens if key.max_tokens is not None else options.max_tokens
+    cap (a call that asks for none runs with its policy's default, cut to the cap where it is
+    over: ``call_spec``)."""
+    cap = token_cap(key, options)
     if asked is None:
         return None
     if asked > cap:

@@ -79,6 +79,9 @@ def serve(
     options = dataclasses.replace(
         options or ServerOptions(), metrics=render, meter_provider=provider
     )
+    if keys.open and options.allowed_hosts is None:
+        # No key stands between a browser and an open server: only its own names may reach it.
+        options = dataclasses.replace(options, allowed_hosts=("localhost", "127.0.0.1", host))
     app = create_app(runtime, keys, options)
     for line in describe(runtime.engine_choice):  # what runs, and what was turned off and why
         log.info("%s", line)

@@ -16,7 +16,7 @@ from .dashboard import CallLog, CallRecord
 from .keys import KeyStore
 from .limits import Limits
 from .options import ServerOptions
-from .requests import caller_of
+from .requests import bearer, caller_of
 
 __all__ = ["Served"]
 
@@ -40,10 +40,23 @@ class Served:
     ) -> None:
         """A chat call answered: counted on the dashboard under its key and its policy where
         they were known and allowed (a refusal before that is filed under no policy), and its
-        row in the audit store (every call, ran or refused)."""
+        row in the audit store (every call, ran or refused). A request refused before it showed
+        a valid key is only counted (per minute, address and status): whoever has no key
+        cannot write the audit store a row per request."""
         if request.url.path != "/v1/chat/completions":
             return
         caller = caller_of(request)
+        if caller.key is None:
+            # Refused before its key was read (draining, a body too large): a valid key still
+            # earns its row, under its name.
+            shown = self.keys.authenticate(bearer(request))
+            caller.key = shown.name if shown is not None else None
+        if caller.key is None:
+            self.calls.record(CallRecord(policy=None, status=status, key=None))
+            if self.options.audit is not None:
+                source = request.client.host if request.client is not None else None
+                self.options.audit.count_refusal(source, status, front_door="server")
+            return
         if result is not None:
             self.calls.record(CallRecord.of_result(result, status, key=caller.key))
         else:

@@ -13,7 +13,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ..calls import CallChunk
 from ..chat import ToolCall
@@ -36,6 +43,19 @@ MAX_TOOLS = 128
 """The most tools one call may offer."""
 MAX_TOOL_BYTES = 32768
 """The largest tool definition (name, description and parameter schema), as JSON."""
+
+
+UNHONOURED = {
+    "logit_bias": "logit_bias is not supported (it would change the model's distribution)",
+    "functions": "the legacy functions field is not supported; pass tools",
+    "function_call": "the legacy function_call field is not supported; pass tool_choice",
+    "top_logprobs": "logprobs are not supported",
+    "audio": "audio output is not supported",
+    "modalities": "only the text modality is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+"""OpenAI's request fields this server cannot honour, each with the reason it says."""
 
 
 class FunctionCall(BaseModel):
@@ -111,6 +131,32 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     parallel_tool_calls: bool | None = None
+    logit_bias: Any = None
+    functions: Any = None
+    function_call: Any = None
+    top_logprobs: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    @field_validator(*UNHONOURED)
+    @classmethod
+    def _not_honoured(cls, value: Any, info: ValidationInfo) -> Any:
+        # Each would change what comes back: refused by name, never silently dropped.
+        if value not in (None, 0, {}, []) and not (
+            info.field_name == "modalities" and value == ["text"]
+        ):
+            raise ValueError(UNHONOURED[str(info.field_name)])
+        return value
+
+    @field_validator("user")
+    @classmethod
+    def _printable_user(cls, value: str | None) -> str | None:
+        # It becomes the call's sub-tenant: spans, audit rows and logs name it.
+        if value is not None and not value.isprintable():
+            raise ValueError("must be printable characters (no NUL or other control characters)")
+        return value
 
     @field_validator("logprobs")
     @classmethod

@@ -29,6 +29,10 @@ __all__ = ["LlamaCppModel", "LlamaCppRunner"]
 ENGINE = "llama.cpp"
 
 
+SPARE_CONTEXTS = 4
+"""Private contexts kept, cleared, for the next reproducible calls once theirs ended."""
+
+
 class LlamaCppModel(EngineModel):
     """A GGUF model loaded by llama.cpp with one shared context for the calls of a runtime.
 
@@ -126,8 +130,8 @@ class LlamaCppModel(EngineModel):
         self.description = buffer.value.decode("utf-8", "replace")
         """llama.cpp's own description of the weights (architecture, size, quantization)."""
         self._evictors: list[weakref.WeakMethod[Callable[[], bool]]] = []
-        self._private: weakref.WeakSet[_Context] = weakref.WeakSet()
-        """Private contexts still alive (closed with the model, never after it)."""
+        self._private: list[_Context] = []
+        """Private contexts, in use or spare (closed with the model, never after it)."""
         self._lock = threading.RLock()
         """Held around every use of a context (batch, decode, memory): runtimes that share
         this model step on threads of their own. Never held while an evictor runs, so that
@@ -213,12 +217,35 @@ class LlamaCppModel(EngineModel):
                 raise GenerationError(msg)
 
     def private_sequence(self, tokens: int) -> LlamaSequence:
-        """A new, empty sequence in a context of its own with room for ``tokens`` positions
-        (freed with the sequence): its forwards depend on nothing any other call holds. Costs
-        a context's creation (tens of milliseconds) and its KV memory while it lives."""
-        context = _Context(self, tokens=max(256, tokens), sequences=1, unified=True)
-        self._private.add(context)
-        return LlamaSequence(self, context, context.free.pop())
+        """A new, empty sequence in a context of its own with room for ``tokens`` positions:
+        its forwards depend on nothing any other call holds. A context whose call ended is
+        cleared and kept (``SPARE_CONTEXTS`` at most) for the next such call, since creating
+        one costs the stepping thread tens of milliseconds; sizes are powers of two so that
+        calls of similar lengths reuse the same ones. A cleared context computes what a new
+        one does (its cells are filled from the first again)."""
+        size = max(256, 1 << max(0, tokens - 1).bit_length())
+        with self._lock:
+            idle = []
+            for context in self._private:
+                if context.released:  # its call's sequence was dropped: free for reuse
+                    context.free.extend(context.released)
+                    context.released.clear()
+                if context.free:
+                    idle.append(context)
+            fits = [c for c in idle if c.tokens >= tokens]
+            chosen = min(fits, key=lambda c: c.tokens) if fits else None
+            spare = [c for c in idle if c is not chosen]
+            # The spares beyond the bound are freed, the largest first.
+            for context in sorted(spare, key=lambda c: c.tokens)[SPARE_CONTEXTS:]:
+                self._private.remove(context)
+                context.close()
+            if chosen is not None:
+                self._lib.llama_memory_clear(chosen.memory, True)
+        if chosen is None:
+            chosen = _Context(self, tokens=size, sequences=1, unified=True)
+            with self._lock:
+                self._private.append(chosen)
+        return LlamaSequence(self, chosen, chosen.free.pop())
 
     def _copy(self, source: LlamaSequence) -> LlamaSequence:
         if source.private:

@@ -22,7 +22,6 @@ import json
 import logging
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -33,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ...errors import ModelLoadError
-from ...machine import ProbeStore, config_key
+from ...machine import ProbeStore, config_key, python_child
 from .library import build_info
 
 __all__ = [
@@ -141,13 +140,9 @@ def choose_fast_paths(
     if not autos:
         return FastPaths(asked_for)
     key = _verdict_key(path, forced, threads, batch_tokens)
-    kept = store.get(key) if store is not None else None
-    if isinstance(kept, dict) and set(kept.get("paths", ())) == set(autos):
-        choices = {
-            name: PathChoice(bool(c["enabled"]), str(c["reason"]))
-            for name, c in kept["paths"].items()
-        }
-        return FastPaths({**asked_for, **choices}, stored=True)
+    kept = _kept_choices(store.get(key) if store is not None else None, autos)
+    if kept is not None:
+        return FastPaths({**asked_for, **kept}, stored=True)
     started = time.perf_counter()
     log.info(
         "proving llama.cpp's %s on this machine in a child process before using them%s",
@@ -176,7 +171,27 @@ def choose_fast_paths(
 
 
 def _default_child() -> list[str]:
-    return [sys.executable, str(Path(__file__).with_name("probe_child.py"))]
+    script = str(Path(__file__).with_name("probe_child.py"))
+    return python_child(f"import runpy\nrunpy.run_path({script!r}, run_name='__main__')")
+
+
+def _kept_choices(kept: Any, autos: Sequence[str]) -> dict[str, PathChoice] | None:
+    """A stored verdict on ``autos``, or None where there is none or it is not of the shape
+    written here (a damaged or foreign file: the paths are proven again, never trusted)."""
+    paths = kept.get("paths") if isinstance(kept, dict) else None
+    if not isinstance(paths, dict) or set(paths) != set(autos):
+        return None
+    choices = {}
+    for name, choice in paths.items():
+        if not (
+            isinstance(choice, dict)
+            and isinstance(choice.get("enabled"), bool)
+            and isinstance(choice.get("reason"), str)
+        ):
+            log.warning("the stored verdict on llama.cpp's %s is malformed; proving again", name)
+            return None
+        choices[name] = PathChoice(choice["enabled"], choice["reason"])
+    return choices
 
 
 def _verdict_key(path: Path, forced: Mapping[str, bool], threads: int, batch_tokens: int) -> str:
@@ -309,6 +324,8 @@ def describe_exit(stage: str, code: int | None, stderr: str) -> str:
     detail = last[:200] if last else f"exit status {code}"
     if code is None:
         return f"hung {_at(stage)} ({detail})"
+    if "ModuleNotFoundError" in stderr or "ImportError" in stderr:
+        return f"failed {_at(stage)}: the child process could not import a module ({detail})"
     return f"failed {_at(stage)} ({detail})"
 
 
