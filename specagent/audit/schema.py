@@ -5,11 +5,12 @@ schema for SQLite and PostgreSQL).
 or anything derived from them that could restore them. ``specagent_refusals`` counts the
 requests refused before any valid key was shown (a wrong or missing key, a body too large to
 read): one row per minute, source address and status with a count, not a row per request, so a
-client without a key cannot grow the store faster than a bounded number of rows a minute. ``specagent_policy_minutes`` is a view
-a BI tool reads directly: per minute and policy, calls, errors, latency percentiles, tokens per
-second, acceptance, divergence and fallbacks (nearest-rank percentiles by window functions,
-which both backends have). ``specagent_audit_schema`` holds the schema's version; ``migrate``
-brings an older store up to ``SCHEMA_VERSION`` step by step, in one transaction each.
+client without a key cannot grow the store faster than a bounded number of rows a minute.
+``specagent_policy_minutes`` is a view a BI tool reads directly: per minute and policy, calls,
+errors, latency percentiles, tokens per second, acceptance, divergence and fallbacks
+(nearest-rank percentiles by window functions, which both backends have).
+``specagent_audit_schema`` holds the schema's version; ``migrate`` brings an older store up
+to ``SCHEMA_VERSION`` step by step, in one transaction each.
 """
 
 from __future__ import annotations

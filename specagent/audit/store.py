@@ -45,7 +45,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from .schema import CALLS, REFUSALS, migrate
 
-__all__ = ["AuditStore", "masked", "masked_url"]
+__all__ = ["AuditStore", "masked", "masked_url", "max_rows"]
 
 COLUMNS = tuple(column.name for column in CALLS.columns)
 
@@ -112,6 +112,8 @@ class AuditStore:
         self._cond = threading.Condition()
         self._healthy = True
         self._writing = False
+        self._batch_rows = 0
+        """Rows of the batch being written (refusal rows stay listed until written)."""
         self._flushing = 0
         """Callers waiting in ``flush``: the writer does not wait for more rows meanwhile."""
         self._closing = False
@@ -196,6 +198,8 @@ class AuditStore:
         self._thread.join(timeout)
         with self._cond:
             lost = len(self._rows) + len(self._refusal_rows) + len(self._tally)
+            if self._thread.is_alive() and self._writing:
+                lost += self._batch_rows  # still waiting on the database: not written yet
             self._rows.clear()
             self._refusal_rows.clear()
             self._tally.clear()
@@ -229,6 +233,7 @@ class AuditStore:
                 self._take_refusals(everything=bool(self._flushing))
                 refusals = list(self._refusal_rows)
                 self._writing = bool(batch or refusals)
+                self._batch_rows = len(batch)
             if batch or refusals:
                 pause = self._write(batch, refusals, pause)
             self._maintain()
@@ -425,6 +430,12 @@ def _kind(exc: BaseException) -> str:
     return f"{type(orig).__name__}: {first[:200]}"
 
 
+def max_rows(rows: int | None) -> dict[str, int | None]:
+    """``AuditStore``'s ``max_rows`` keyword from an option: None (not given) leaves the
+    store's default, 0 means no bound."""
+    return {} if rows is None else {"max_rows": rows or None}
+
+
 def masked_url(url: str) -> str:
     """``url`` fit for a message or a log: its password as ``***``. A password is better not
     in the URL at all: PostgreSQL's client reads ``PGPASSWORD``, ``~/.pgpass`` or the file a
@@ -467,9 +478,7 @@ def _engine(url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(
-        url, pool_pre_ping=True, pool_size=2, max_overflow=0, hide_parameters=True
-    )
+    return create_engine(url, pool_pre_ping=True, pool_size=2, max_overflow=0, hide_parameters=True)
 
 
 def _private_file(path: Path) -> None:

@@ -87,7 +87,7 @@ def _audit_store(args: argparse.Namespace) -> Any:
             raise SpecAgentError("--audit-required needs an audit store; drop --no-audit")
         return None
     try:
-        from ..audit import AuditStore, masked, masked_url
+        from ..audit import AuditStore, masked, masked_url, max_rows
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SpecAgentError(
             f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
@@ -95,12 +95,14 @@ def _audit_store(args: argparse.Namespace) -> Any:
     url = _audit_url(args)
     try:
         return AuditStore(
-            url, retention_days=args.audit_retention_days, max_rows=args.audit_max_rows
+            url, retention_days=args.audit_retention_days, **max_rows(args.audit_max_rows)
         )
     except Exception as exc:
         # Neither the URL's password nor the driver's echo of it reaches the terminal.
         hidden = masked_url(url)
-        raise SpecAgentError(f"cannot open the audit store {hidden}: {masked(str(exc), url)}") from None
+        raise SpecAgentError(
+            f"cannot open the audit store {hidden}: {masked(str(exc), url)}"
+        ) from None
 
 
 def _audit_url(args: argparse.Namespace) -> str:
@@ -136,7 +138,9 @@ def audit_command(args: argparse.Namespace) -> int:
     try:
         store = AuditStore(url, max_rows=None)
     except Exception as exc:
-        raise SpecAgentError(f"cannot open the audit store {masked_url(url)}: {masked(str(exc), url)}") from None
+        raise SpecAgentError(
+            f"cannot open the audit store {masked_url(url)}: {masked(str(exc), url)}"
+        ) from None
     try:
         filters = {"since": since, "policy": args.policy, "key": args.key}
         rows = read_calls(store.engine, limit=args.limit, **filters)

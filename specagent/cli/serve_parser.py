@@ -6,9 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DEFAULT_MAX_ROWS = 10_000_000
-"""As ``specagent.audit.store.DEFAULT_MAX_ROWS`` (the parser imports no SQLAlchemy)."""
-
 from .arguments import DEFAULT_AUDIT_HELP, DTYPES, command, compile_option, model_options
 
 __all__ = ["add_serve"]
@@ -114,11 +111,11 @@ def _serve_audit_and_tls(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--audit-max-rows",
-        type=_positive_rows,
-        default=DEFAULT_MAX_ROWS,
+        type=_rows,
+        default=None,
         metavar="ROWS",
         help="the most rows an audit table keeps: past it, its oldest rows are deleted and "
-        f"counted (default: {DEFAULT_MAX_ROWS:,}; 0: no bound)",
+        "counted (default: ten million; 0: no bound)",
     )
     serve.add_argument(
         "--ssl-certfile", type=Path, default=None, help="serve HTTPS with this certificate (PEM)"
@@ -171,12 +168,14 @@ def _serve_on_ray(serve: argparse.ArgumentParser) -> None:
 def _positive_days(value: str) -> float:
     days = float(value)
     if not days > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 days (leave it out to keep rows): {value}")
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 days (leave it out to keep rows): {value}"
+        )
     return days
 
 
-def _positive_rows(value: str) -> int | None:
+def _rows(value: str) -> int:
     rows = int(value)
     if rows < 0:
         raise argparse.ArgumentTypeError(f"must be 0 (no bound) or more: {value}")
-    return rows or None
+    return rows

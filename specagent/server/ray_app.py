@@ -34,7 +34,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from ..audit.store import DEFAULT_MAX_ROWS
 from ..backend import Backend
 from ..call import Call
 from ..errors import GenerationError, SpecAgentError
@@ -261,12 +260,12 @@ class Ingress:
         self.keys = KeyStore.load(key_file, open=no_auth)
         if audit and audit.get("url"):
             # The ingress records every call (its replicas record none): one store per ingress.
-            from ..audit import AuditStore
+            from ..audit import AuditStore, max_rows
 
             store = AuditStore(
                 str(audit["url"]),
                 retention_days=audit.get("retention_days"),
-                max_rows=audit.get("max_rows", DEFAULT_MAX_ROWS),
+                **max_rows(audit.get("max_rows")),
             )
             options = dataclasses.replace(
                 options, audit=store, audit_required=bool(audit.get("required"))
@@ -297,7 +296,7 @@ def build_app(
     audit: str | None = None,
     audit_required: bool = False,
     audit_retention_days: float | None = None,
-    audit_max_rows: int | None = DEFAULT_MAX_ROWS,
+    audit_max_rows: int | None = None,
 ) -> Any:
     """The Ray Serve application: an ingress and one replica group per policy group.
 
@@ -372,7 +371,7 @@ def app_builder(args: dict[str, Any]) -> Any:
         if key in args:
             args[key] = float(args[key])
     if args.get("audit_max_rows") is not None:
-        args["audit_max_rows"] = int(args["audit_max_rows"]) or None
+        args["audit_max_rows"] = int(args["audit_max_rows"])
     if isinstance(args.get("groups"), str):
         args["groups"] = json.loads(args["groups"])
     if isinstance(args.get("no_auth"), str):

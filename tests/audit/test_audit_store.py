@@ -23,10 +23,13 @@ from specagent.audit import (
     SCHEMA_VERSION,
     AuditStore,
     call_row,
+    masked,
+    masked_url,
     policy_summaries,
     read_calls,
 )
-from specagent.audit.schema import VERSION, migrate
+from specagent.audit import store as store_module
+from specagent.audit.schema import REFUSALS, VERSION, migrate
 
 SECRET = "zebra-quartz-7741"
 """Text that must never reach the database."""
@@ -204,4 +207,153 @@ def test_rows_past_the_buffer_are_dropped_and_counted(postgres) -> None:
         postgres.start()
     assert kept.count(False) == store.dropped > 0
     assert store.flush(60)
+    store.close()
+
+
+def _refusals(store: AuditStore) -> list[dict]:
+    with store.engine.connect() as connection:
+        return [dict(r._mapping) for r in connection.execute(select(REFUSALS))]
+
+
+def test_refusals_without_a_key_are_counted_not_stored_one_by_one(sqlite_url) -> None:
+    """Whoever has no key adds at most a bounded number of rows a minute (one per address
+    and status, ``refusal_sources`` addresses at most, the rest as ``other``), however many
+    requests it sends; every one of them is counted."""
+    store = AuditStore(sqlite_url, refusal_sources=3)
+    for i in range(10):
+        for _ in range(50):
+            store.count_refusal(f"10.0.0.{i}", 401, front_door="server")
+    for _ in range(500):
+        store.count_refusal("10.0.0.0", 401, front_door="server")
+    store.count_refusal("10.0.0.1", 413, front_door="server")
+    assert store.flush()
+    rows = _refusals(store)
+    store.close()
+    assert sum(r["count"] for r in rows) == 1001
+    assert len(rows) <= 5  # 3 addresses + other for 401, one for 413 (within one minute or two)
+    by_source = {}
+    for row in rows:
+        by_source[(row["source"], row["status"])] = (
+            by_source.get((row["source"], row["status"]), 0) + row["count"]
+        )
+    assert by_source[("10.0.0.0", "401")] == 550
+    assert by_source[("other", "401")] == 350  # 10.0.0.3 to 10.0.0.9
+    assert read_calls(create_engine(sqlite_url), limit=None) == []
+
+
+def test_retention_runs_on_a_timer_whatever_the_traffic(sqlite_url, monkeypatch) -> None:
+    """Under steady traffic the writer is never idle: retention must not wait for a lull."""
+    monkeypatch.setattr(store_module, "RETENTION_EVERY_S", 0.2)
+    store = AuditStore(sqlite_url, retention_days=30, batch_rows=1, flush_s=0.0)
+    old = _row("old")
+    old["at"] = datetime.now(timezone.utc) - timedelta(days=40)
+    old["minute"] = old["at"].replace(second=0, microsecond=0)
+    with store.engine.begin() as connection:
+        connection.execute(insert(CALLS), [old])
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            for _ in range(20):  # rows always waiting: the writer never finds an empty pass
+                store.record(_row("busy"))
+            policies = {r["policy"] for r in read_calls(store.engine, limit=None)}
+            if "old" not in policies:
+                break
+            time.sleep(0.05)
+        assert "old" not in policies
+    finally:
+        store.close()
+
+
+def test_a_table_over_max_rows_loses_its_oldest_rows_and_counts_them(sqlite_url) -> None:
+    store = AuditStore(sqlite_url, max_rows=100)
+    ids = []
+    for i in range(300):
+        row = _row("sized")
+        row["at"] = datetime.now(timezone.utc) - timedelta(seconds=300 - i)
+        ids.append(row["id"])
+        store.record(row)
+    assert store.flush()
+    deadline = time.monotonic() + 30
+    while len(read_calls(store.engine, limit=None)) > 100 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kept = {r["id"] for r in read_calls(store.engine, limit=None)}
+    store.close()
+    assert 0 < len(kept) <= 100
+    assert kept == set(ids[-len(kept) :])  # the newest stay
+    assert store.evicted == 300 - len(kept)
+
+
+def test_the_store_and_its_folder_are_readable_by_their_owner_only(tmp_path) -> None:
+    folder = tmp_path / "new" / "specagent"
+    store = AuditStore(f"sqlite:///{folder / 'audit.sqlite'}")
+    store.record(_row())
+    assert store.flush()
+    assert folder.stat().st_mode & 0o777 == 0o700
+    files = list(folder.glob("audit.sqlite*"))
+    assert len(files) >= 2  # the database and its write-ahead log
+    for path in files:
+        assert path.stat().st_mode & 0o777 == 0o600, path.name
+    store.close()
+
+
+@pytest.mark.parametrize("days", [0, -1])
+def test_a_retention_of_nothing_is_refused(sqlite_url, days) -> None:
+    with pytest.raises(ValueError, match="retention_days must be more than 0"):
+        AuditStore(sqlite_url, retention_days=days)
+
+
+def test_closing_with_the_database_locked_says_what_is_lost(sqlite_url, caplog) -> None:
+    store = AuditStore(sqlite_url, max_retry_s=0.2)
+    blocker = store.engine.raw_connection()
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        for _ in range(5):
+            store.record(_row("locked"))
+        with caplog.at_level("ERROR", logger="specagent.audit"):
+            store.close(timeout=1.0)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert store.dropped == 5
+    assert "closed with 5 rows unwritten" in caplog.text
+
+
+def test_text_cells_are_printable_and_fit_their_columns() -> None:
+    row = call_row(front_door="server", status=200, tenant="k/\x00\x1b[31mred" + "x" * 900)
+    assert "\x00" not in row["tenant"]
+    assert "\x1b" not in row["tenant"]
+    assert row["tenant"].startswith("k/\\x00\\x1b[31mred")
+    assert len(row["tenant"]) == 600
+
+
+def test_passwords_are_masked_in_messages() -> None:
+    url = "postgresql://audit:s3cr3t-pw@db.internal:5432/audit"
+    assert "s3cr3t-pw" not in masked_url(url)
+    assert "***" in masked_url(url)
+    assert masked("could not connect with s3cr3t-pw", url) == "could not connect with ***"
+
+
+def test_one_bad_row_costs_only_itself_and_the_store_says_so(postgres, caplog) -> None:
+    """PostgreSQL refuses a NUL: the batch is written again row by row, only that row is
+    dropped (counted, logged by id, never by value), and the store is unhealthy until a write
+    goes through."""
+    store = AuditStore(postgres.url, flush_s=5.0)
+    good = [_row("batch", tenant=f"other/user-{i}") for i in range(10)]
+    bad = _row("batch", tenant="k/\x00")
+    with caplog.at_level("ERROR", logger="specagent.audit"):
+        for row in [*good[:5], bad, *good[5:]]:
+            store.record(row)
+        assert store.flush(60)
+    stored = {r["id"] for r in read_calls(store.engine, policy="batch", limit=None)}
+    assert stored == {r["id"] for r in good}
+    assert store.dropped == store.rejected == 1
+    assert bad["id"] in caplog.text
+    assert "user-" not in caplog.text  # no other row's values in the log
+    assert store.healthy  # a write went through after the refused row
+    store.record(bad)  # alone: nothing goes through, the store says it is not storing
+    store.flush(60)
+    assert not store.healthy
+    store.record(_row("batch"))
+    assert store.flush(60)
+    assert store.healthy
     store.close()

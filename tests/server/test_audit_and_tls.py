@@ -15,9 +15,11 @@ import openai
 import pytest
 from conftest import make_model, make_tokenizer
 from live_server import KEYS, free_port, key_file, serving, wait_until_up  # fixtures by name
+from sqlalchemy import select
 
 from specagent import SpecRuntime, shipped_policies
 from specagent.audit import AuditStore, read_calls
+from specagent.audit.schema import REFUSALS
 from specagent.server import KeyStore, ServerOptions, create_app
 
 MESSAGES = [{"role": "user", "content": "Where is my order zebra-quartz-7741?"}]
@@ -59,8 +61,11 @@ def test_every_call_is_one_row_with_its_status_and_key_name(runtime, key_file, t
     assert statuses == [200, 200, 401, 404, 422, 413, 200, 200, 429]
     assert store.flush()
     rows = read_calls(store.engine, limit=None)
+    refusals = _refusals(store)
     store.close()
-    assert sorted(r["status"] for r in rows) == sorted(str(s) for s in statuses)
+    # The request without a valid key is counted, not a row of its own.
+    assert sorted(r["status"] for r in rows) == sorted(str(s) for s in statuses if s != 401)
+    assert [(r["source"], r["status"], r["count"]) for r in refusals] == [("127.0.0.1", "401", 1)]
     by_status = {r["status"]: r for r in rows}
     ok = next(r for r in rows if r["status"] == "200" and r["key_name"] == "full")
     assert ok["policy"] == "customer-reply"
@@ -69,7 +74,7 @@ def test_every_call_is_one_row_with_its_status_and_key_name(runtime, key_file, t
     assert ok["completion_tokens"] == 3
     assert ok["tenant"] == "full"
     assert ok["model"] == "tiny"
-    assert by_status["401"]["key_name"] is None
+    assert by_status["413"]["key_name"] == "full"  # refused before its key was read: still its
     assert by_status["404"]["key_name"] == "customer"
     assert by_status["404"]["policy"] is None  # refused before the key was allowed it
     assert by_status["429"]["key_name"] == "limited"
@@ -79,6 +84,56 @@ def test_every_call_is_one_row_with_its_status_and_key_name(runtime, key_file, t
                 assert secret not in str(value)
     # The runtime did not record the server's calls a second time.
     assert len([r for r in rows if r["front_door"] == "sdk"]) == 0
+
+
+def _refusals(store: AuditStore) -> list[dict]:
+    with store.engine.connect() as connection:
+        return [dict(r._mapping) for r in connection.execute(select(REFUSALS))]
+
+
+def test_a_flood_without_a_key_is_counted_and_never_crowds_out_honest_rows(
+    runtime, key_file, tmp_path
+) -> None:
+    """Requests with a wrong key write no row each: the store grows by a bounded number of
+    rows whatever their number, the buffer honest rows wait in stays free (no 503 under
+    ``--audit-required``), and every honest call is stored exactly once."""
+    store = AuditStore(f"sqlite:///{tmp_path / 'audit.sqlite'}", buffer_rows=50)
+    keys = KeyStore.load(key_file, env="")
+    app = create_app(runtime, keys, ServerOptions(audit=store, audit_required=True))
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    honest = []
+    with serving(app) as url, httpx.Client(timeout=60) as http:
+        for i in range(400):
+            wrong = http.post(
+                f"{url}/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer wrong-key-{i:04d}-0123456789"},
+            )
+            assert wrong.status_code == 401
+            if i % 40 == 0:
+                honest.append(_post(url, KEYS["customer"], body))
+    assert [r.status_code for r in honest] == [200] * 10
+    assert store.flush()
+    rows = read_calls(store.engine, limit=None)
+    refusals = _refusals(store)
+    store.close()
+    assert sorted(r["key_name"] for r in rows) == ["customer"] * 10
+    assert len({r["id"] for r in rows}) == 10
+    assert sum(r["count"] for r in refusals) == 400
+    assert len(refusals) <= 3  # one per minute (the run may cross a minute or two)
+
+
+def test_an_open_server_answers_only_its_own_host_names(runtime, tmp_path) -> None:
+    """Without keys, a DNS name rebound to the loopback must not reach the server."""
+    options = ServerOptions(allowed_hosts=("localhost", "127.0.0.1"))
+    app = create_app(runtime, KeyStore(open=True), options)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 1}
+    with serving(app) as url:
+        assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
+        rebound = httpx.post(
+            f"{url}/v1/chat/completions", json=body, headers={"Host": "attacker.example"}
+        )
+        assert rebound.status_code == 400
 
 
 def test_audit_required_refuses_calls_while_the_store_cannot_record(

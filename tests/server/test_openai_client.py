@@ -256,6 +256,16 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
         ),
         ({"stop": [f"stop{i}" for i in range(17)]}, None),
         ({"stop": ["y" * 257]}, None),
+        # OpenAI's fields this server cannot honour: refused by name, never ignored.
+        ({"logit_bias": {"50": 100}}, "logit_bias"),
+        ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        # The sub-tenant names the call in audit rows, spans and logs: printable only.
+        ({"user": "\u0000"}, "user"),
+        ({"user": "a\u001b[31mb"}, "user"),
     ],
 )
 def test_bad_fields_are_422_naming_the_field(live: Live, fields: dict, param: str | None) -> None:
@@ -365,6 +375,63 @@ def test_max_tokens_over_the_key_cap_is_422(live: Live) -> None:
         headers=_bearer("full"),
     )
     assert huge.status_code == 422
+
+
+def test_a_call_that_asks_for_no_budget_stays_within_the_key_cap(live: Live) -> None:
+    """Leaving max_tokens out runs the policy's default (256) cut to the key's cap (8)."""
+    body = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0}
+    for seed in range(4):
+        answer = httpx.post(
+            f"{live.base_url}/chat/completions",
+            json={**body, "seed": seed},
+            headers=_bearer("capped"),
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] <= 8
+    # ... and without the cap the same call runs past it (the test can tell).
+    longest = max(
+        httpx.post(
+            f"{live.base_url}/chat/completions",
+            json={**body, "seed": seed},
+            headers=_bearer("full"),
+        ).json()["usage"]["completion_tokens"]
+        for seed in range(4)
+    )
+    assert longest > 8
+
+
+def test_a_body_that_is_not_json_is_415(live: Live) -> None:
+    """A web page may POST text/plain anywhere without a preflight; never application/json."""
+    body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 1})
+    refused = httpx.post(
+        f"{live.base_url}/chat/completions",
+        content=body,
+        headers={**_bearer("full"), "Content-Type": "text/plain"},
+    )
+    assert refused.status_code == 415
+    assert refused.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_a_key_holds_at_most_its_share_of_reproducible_calls(live: Live) -> None:
+    """Each reproducible call runs alone (and on llama.cpp in a context of its own): a key
+    past its bound of them in flight gets 429, and its ordinary calls still run."""
+    import concurrent.futures
+
+    body = {"model": "tiny:legal-drafting", "messages": MESSAGES, "max_tokens": 300}
+
+    def post(extra: dict) -> int:
+        return httpx.post(
+            f"{live.base_url}/chat/completions",
+            json={**body, **extra},
+            headers=_bearer("full"),
+            timeout=120,
+        ).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        statuses = list(pool.map(post, [{}] * 6))
+    assert statuses.count(429) >= 1, statuses
+    assert statuses.count(200) >= 2, statuses
+    assert post({"model": "tiny", "max_tokens": 2}) == 200
 
 
 def test_a_call_past_its_deadline_is_504_and_leaves_nothing_running(live: Live) -> None:
