@@ -444,3 +444,67 @@ async def test_one_call_never_takes_the_pool_another_call_needs(gguf_file, token
             await rt.generate([i % 300 + 10 for i in range(520)], policy="plain", max_new_tokens=4)
     finally:
         rt.close()
+
+
+def test_a_private_context_is_reused_cleared_and_computes_what_a_new_one_does(
+    gguf_file,
+) -> None:
+    """Creating a context costs the stepping thread tens of milliseconds: a reproducible
+    call's context, once its call ended, is cleared and kept for the next one, which computes
+    bit for bit what it would in a new context."""
+    import numpy as np
+
+    from specagent.engines.llama_cpp.model import SPARE_CONTEXTS
+
+    model = LlamaCppModel(gguf_file, context_tokens=1024, max_sequences=8, threads=1)
+    first = model.private_sequence(300)
+    context = first._context
+    fresh = _drafting_run(model, first, others=False)
+    del first
+    second = model.private_sequence(280)  # the same size class
+    assert second._context is context
+    again = _drafting_run(model, second, others=True)
+    for a, b in zip(fresh, again, strict=True):
+        assert np.array_equal(a, b)
+    held = [model.private_sequence(300) for _ in range(SPARE_CONTEXTS + 3)]
+    assert held[0]._context is not context  # in use by ``second``: never shared
+    del held, second
+    model.private_sequence(300)
+    # Spares are bounded: the rest were freed.
+    assert len(model._private) <= SPARE_CONTEXTS + 1
+
+
+@pytest.mark.anyio
+async def test_reproducible_calls_count_against_the_kv_budget(gguf_file, tokenizer) -> None:
+    """A flood of reproducible calls, each in a context of its own, waits for room in the
+    budget as ordinary calls do, instead of holding KV past it beside the pool."""
+    model = LlamaCppModel(gguf_file, context_tokens=1024, max_sequences=32, threads=1)
+    exact = make_policy("exact", sampling={"temperature": 0.0, "max_new_tokens": 24})
+    exact = exact.model_copy(update={"reproducible": True})
+    rt = SpecRuntime(model, tokenizer=tokenizer, policies=[exact], probe_store=PinnedCosts())
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, sum(1 for c in list(model._private) if not c.free))
+            stop.wait(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        prompts = [[(i * 7 + j) % 300 + 5 for j in range(300)] for i in range(8)]
+
+        async def one(i: int) -> None:
+            await rt.generate(prompts[i], policy="exact", tenant=f"t{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    finally:
+        stop.set()
+        watcher.join()
+        rt.close()
+    # Each may hold 300 + 24 + its drafts of a 1,024-cell budget: three at once at most.
+    assert 1 <= peak <= 3
