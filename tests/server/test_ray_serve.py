@@ -195,6 +195,49 @@ def test_a_killed_replica_does_not_hang_anything(cluster: dict) -> None:
         assert call(100 + i) == "ok"
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class _RefusesItsInput:
+    """A replica whose runtime refuses every call's input with a plain ``ValueError`` (a
+    library's complaint), counting the calls it was sent."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def stream(self, call: Call, *, streaming: bool = True, ingress_token: str = ""):
+        self.calls += 1
+        raise ValueError("a library's complaint about this input, with /internal/paths")
+        yield  # an async generator, as SpecReplica.stream
+
+    def count(self) -> int:
+        return self.calls
+
+
+def test_a_call_refused_for_its_input_is_not_retried(cluster: dict) -> None:
+    """Another replica would refuse the same input: the ingress answers as a single server
+    does (422, the text in its log), and sends the call once. Only a replica that died is
+    worth another."""
+    from specagent.calls import CallSpec, run_call
+    from specagent.server.errors import as_api_error
+    from specagent.server.ray_app import RemoteBackend
+
+    serve.run(_RefusesItsInput.bind(), name="refusing", route_prefix=None)
+    handle = serve.get_deployment_handle("_RefusesItsInput", app_name="refusing")
+    backend = RemoteBackend("tiny", shipped_policies(), {"default": handle})
+    spec = CallSpec.build(PROMPTS[0], backend=backend, max_tokens=2)
+
+    async def run() -> None:
+        async for _ in run_call(backend, spec):
+            pass
+
+    with pytest.raises(ValueError, match="complaint") as refused:
+        anyio.run(run)
+    error = as_api_error(refused.value)
+    assert error.status == 422
+    assert "internal" not in str(error)
+    assert handle.count.remote().result() == 1
+    serve.delete("refusing")
+
+
 def test_a_serve_config_for_a_cluster(tmp_path: Path) -> None:
     path = write_config(
         tmp_path / "serve.yaml",
@@ -207,6 +250,7 @@ def test_a_serve_config_for_a_cluster(tmp_path: Path) -> None:
     )
     import yaml
 
+    assert path.stat().st_mode & 0o777 == 0o600  # it may hold a database URL's password
     config = yaml.safe_load(path.read_text())
     assert config["http_options"]["host"] == "127.0.0.1"  # exposed only when told to
     application = config["applications"][0]
