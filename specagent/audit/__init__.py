@@ -19,7 +19,7 @@ from pathlib import Path
 from .query import parse_since, policy_summaries, read_calls
 from .rows import call_row
 from .schema import CALLS, MINUTES_VIEW, SCHEMA_VERSION
-from .store import AuditStore, masked, masked_url, max_rows
+from .store import AuditStore, masked, masked_url, row_bound
 
 __all__ = [
     "CALLS",
@@ -30,11 +30,11 @@ __all__ = [
     "default_audit_url",
     "masked",
     "masked_url",
-    "max_rows",
     "open_audit",
     "parse_since",
     "policy_summaries",
     "read_calls",
+    "row_bound",
 ]
 
 

@@ -45,7 +45,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from .schema import CALLS, REFUSALS, migrate
 
-__all__ = ["AuditStore", "masked", "masked_url", "max_rows"]
+__all__ = ["AuditStore", "masked", "masked_url", "row_bound"]
 
 COLUMNS = tuple(column.name for column in CALLS.columns)
 
@@ -430,10 +430,10 @@ def _kind(exc: BaseException) -> str:
     return f"{type(orig).__name__}: {first[:200]}"
 
 
-def max_rows(rows: int | None) -> dict[str, int | None]:
-    """``AuditStore``'s ``max_rows`` keyword from an option: None (not given) leaves the
-    store's default, 0 means no bound."""
-    return {} if rows is None else {"max_rows": rows or None}
+def row_bound(option: int | None) -> int | None:
+    """``AuditStore``'s ``max_rows`` from a command-line or config option: None (not given)
+    is the default bound, 0 no bound."""
+    return DEFAULT_MAX_ROWS if option is None else option or None
 
 
 def masked_url(url: str) -> str:

@@ -87,7 +87,7 @@ def _audit_store(args: argparse.Namespace) -> Any:
             raise SpecAgentError("--audit-required needs an audit store; drop --no-audit")
         return None
     try:
-        from ..audit import AuditStore, masked, masked_url, max_rows
+        from ..audit import AuditStore, masked, masked_url, row_bound
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SpecAgentError(
             f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
@@ -95,7 +95,7 @@ def _audit_store(args: argparse.Namespace) -> Any:
     url = _audit_url(args)
     try:
         return AuditStore(
-            url, retention_days=args.audit_retention_days, **max_rows(args.audit_max_rows)
+            url, retention_days=args.audit_retention_days, max_rows=row_bound(args.audit_max_rows)
         )
     except Exception as exc:
         # Neither the URL's password nor the driver's echo of it reaches the terminal.

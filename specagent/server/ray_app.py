@@ -260,12 +260,12 @@ class Ingress:
         self.keys = KeyStore.load(key_file, open=no_auth)
         if audit and audit.get("url"):
             # The ingress records every call (its replicas record none): one store per ingress.
-            from ..audit import AuditStore, max_rows
+            from ..audit import AuditStore, row_bound
 
             store = AuditStore(
                 str(audit["url"]),
                 retention_days=audit.get("retention_days"),
-                **max_rows(audit.get("max_rows")),
+                max_rows=row_bound(audit.get("max_rows")),
             )
             options = dataclasses.replace(
                 options, audit=store, audit_required=bool(audit.get("required"))
