@@ -79,15 +79,7 @@ class Limits:
                 msg = f"API key {key.name!r} already has {running} calls in flight (its limit)"
                 raise Limited(msg, retry_after=1)
             self._in_flight[key.name] = running + 1
-        released = threading.Event()
-
-        def release() -> None:
-            with self._lock:
-                if not released.is_set():
-                    released.set()
-                    self._in_flight[key.name] -= 1
-
-        return release
+        return self._releaser(self._in_flight, key.name)
 
     def acquire_reproducible(self, key: ApiKey, bound: int) -> Callable[[], None]:
         """Take one of ``key``'s reproducible slots (at most ``bound`` in flight), or raise
@@ -101,13 +93,18 @@ class Limits:
                 )
                 raise Limited(msg, retry_after=1)
             self._reproducible[key.name] = running + 1
+        return self._releaser(self._reproducible, key.name)
+
+    def _releaser(self, counts: dict[str, int], name: str) -> Callable[[], None]:
+        """The function that gives back one of ``name``'s ``counts`` (calling it again does
+        nothing)."""
         released = threading.Event()
 
         def release() -> None:
             with self._lock:
                 if not released.is_set():
                     released.set()
-                    self._reproducible[key.name] -= 1
+                    counts[name] -= 1
 
         return release
 
