@@ -204,11 +204,9 @@ def _guard_control_text(
     as plain text afterwards (``_tokenize_with_literals``); the template's own markup alone
     becomes control tokens. Returns copies of the messages and the tools and the placeholders'
     texts (none: nothing to guard)."""
-    copied = [dict(m) for m in messages]
-    copied_tools = [dict(t) for t in tools]
     controls = _control_texts(tok)
     if not controls:
-        return copied, copied_tools, []
+        return [dict(m) for m in messages], [dict(t) for t in tools], []
     pattern = re.compile("|".join(re.escape(c) for c in controls))
     literals: list[str] = []
 
@@ -231,8 +229,8 @@ def _guard_control_text(
             return [hide(v) for v in value]
         return value
 
-    guarded = [{k: v if k == "role" else hide(v) for k, v in m.items()} for m in copied]
-    return guarded, [hide(t) for t in copied_tools], literals
+    guarded = [{k: v if k == "role" else hide(v) for k, v in m.items()} for m in messages]
+    return guarded, [hide(t) for t in tools], literals
 
 
 def _tokenize_with_literals(rendered: str, literals: list[str], tok: Any, marker: str) -> list[int]:

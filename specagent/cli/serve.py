@@ -87,22 +87,27 @@ def _audit_store(args: argparse.Namespace) -> Any:
             raise SpecAgentError("--audit-required needs an audit store; drop --no-audit")
         return None
     try:
-        from ..audit import AuditStore, masked, masked_url, row_bound
+        from ..audit import row_bound
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SpecAgentError(
             f'the audit store needs SQLAlchemy: pip install "specagent[server]" ({exc})'
         ) from exc
-    url = _audit_url(args)
+    max_rows = row_bound(args.audit_max_rows)
+    return _open_store(
+        _audit_url(args), retention_days=args.audit_retention_days, max_rows=max_rows
+    )
+
+
+def _open_store(url: str, **options: Any) -> Any:
+    """``AuditStore(url, **options)``, or ``SpecAgentError`` saying why not: neither the URL's
+    password nor the driver's echo of it reaches the terminal."""
+    from ..audit import AuditStore, masked, masked_url
+
     try:
-        return AuditStore(
-            url, retention_days=args.audit_retention_days, max_rows=row_bound(args.audit_max_rows)
-        )
+        return AuditStore(url, **options)
     except Exception as exc:
-        # Neither the URL's password nor the driver's echo of it reaches the terminal.
-        hidden = masked_url(url)
-        raise SpecAgentError(
-            f"cannot open the audit store {hidden}: {masked(str(exc), url)}"
-        ) from None
+        message = f"cannot open the audit store {masked_url(url)}: {masked(str(exc), url)}"
+        raise SpecAgentError(message) from None
 
 
 def _audit_url(args: argparse.Namespace) -> str:
@@ -115,15 +120,7 @@ def _audit_url(args: argparse.Namespace) -> str:
 def audit_command(args: argparse.Namespace) -> int:
     from sqlalchemy.engine import make_url
 
-    from ..audit import (
-        AuditStore,
-        default_audit_url,
-        masked,
-        masked_url,
-        parse_since,
-        policy_summaries,
-        read_calls,
-    )
+    from ..audit import default_audit_url, parse_since, policy_summaries, read_calls
 
     try:
         since = parse_since(args.since)
@@ -134,13 +131,7 @@ def audit_command(args: argparse.Namespace) -> int:
         path = make_url(url).database
         if not path or path == ":memory:" or not Path(path).expanduser().is_file():
             raise SpecAgentError(f"no audit store at {url} (the server writes it; see --db)")
-    # Reading evicts nothing and deletes nothing: no size bound, no retention.
-    try:
-        store = AuditStore(url, max_rows=None)
-    except Exception as exc:
-        raise SpecAgentError(
-            f"cannot open the audit store {masked_url(url)}: {masked(str(exc), url)}"
-        ) from None
+    store = _open_store(url, max_rows=None)  # reading deletes nothing: no bound, no retention
     try:
         filters = {"since": since, "policy": args.policy, "key": args.key}
         rows = read_calls(store.engine, limit=args.limit, **filters)

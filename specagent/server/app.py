@@ -37,7 +37,7 @@ from .limits import Limited, Limits
 from .metrics import HttpMetrics, observe_activity, observe_audit
 from .middleware import BodyLimit
 from .options import ServerOptions
-from .requests import authenticate, bearer, call_spec, caller_of, default_per_key, parse_body
+from .requests import authenticate, bearer, call_spec, default_per_key, parse_body
 from .served import Served
 from .streaming import chain, collect, first_chunk, sse, unless_disconnected
 from .wire import completion, completion_id
@@ -152,7 +152,6 @@ def _add_chat(app: FastAPI, served: Served) -> None:
         if served.draining:
             raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
         key = authenticate(keys, request)
-        caller_of(request).key = key.name
         if options.audit_required and (audit is None or not audit.healthy):
             message = "the audit store cannot record calls now, and this server needs a record"
             raise ApiError(503, message, "unavailable", code="audit_unavailable")

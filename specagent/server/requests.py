@@ -49,6 +49,8 @@ class Caller:
 
     key: str | None = None
     """The API key's name, once authenticated."""
+    key_checked: bool = False
+    """Whether its bearer token was checked (``authenticate``), matched or not."""
     policy: str | None = None
     """The policy it runs under, once resolved and allowed for the key."""
     tenant: str | None = None
@@ -85,8 +87,11 @@ def bearer(request: Request) -> str | None:
 
 
 def authenticate(keys: KeyStore, request: Request) -> ApiKey:
+    """The request's key (401 where none matches), kept in its ``Caller`` either way."""
     presented = bearer(request)
     key = keys.authenticate(presented)
+    caller = caller_of(request)
+    caller.key, caller.key_checked = (key.name if key is not None else None), True
     if key is None:
         message = (
             "invalid API key" if presented else "missing API key (Authorization: Bearer <key>)"

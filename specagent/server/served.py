@@ -46,7 +46,7 @@ class Served:
         if request.url.path != "/v1/chat/completions":
             return
         caller = caller_of(request)
-        if caller.key is None:
+        if not caller.key_checked:
             # Refused before its key was read (draining, a body too large): a valid key still
             # earns its row, under its name.
             shown = self.keys.authenticate(bearer(request))
