@@ -68,6 +68,7 @@ class Backend(ABC):
         tenant: str | Tenant | None = None,
         parent_context: Context | None = None,
         record: bool = True,
+        prediction: str | Sequence[int] | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
 
@@ -77,6 +78,11 @@ class Backend(ABC):
         is for (a string: a principal; a ``Tenant``: a principal and a sub-tenant under it): a
         ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a call reuses
         only its tenant's kept KV, and memory is accounted per principal.
+
+        ``prediction`` (text or token ids) is what the caller expects the output to be, as
+        OpenAI's predicted outputs: it drafts where the output follows it (``suffix`` and
+        ``auto`` policies), never enters the prompt, and leaves a lossless call's output as it
+        would be without it; ``usage`` counts its accepted and rejected tokens.
 
         ``record=False``: the runtime's audit store does not get this call's row (a front door
         that records its calls itself, as the server does, passes it).
@@ -100,6 +106,7 @@ class Backend(ABC):
                 tenant=tenant,
                 parent_context=parent_context,
                 record=record,
+                prediction=prediction,
             )
         )
 

@@ -42,6 +42,10 @@ class Call:
     """OpenAI function tools, rendered by the chat template."""
     constraint: Constraint | None = None
     """What the output must match (``specagent.grammar``)."""
+    prediction: str | Sequence[int] | None = None
+    """The output's expected text (OpenAI's predicted outputs: the file being edited, the
+    answer's last version), as text or token ids. It only drafts: a lossless call's output is
+    the same with or without it; it is not part of the prompt."""
     tenant: str | Tenant | None = None
     """Who the call is for (``decoding.tenants.tenant_of``)."""
     parent_context: Context | None = None

@@ -63,6 +63,47 @@ def render_prompt(
     return ids
 
 
+def prediction_ids(
+    prediction: str | Sequence[int] | None,
+    tokenizer: Any | None,
+    vocab_size: int,
+    max_tokens: int | None,
+) -> list[int]:
+    """A call's predicted output as token ids (text spelled as ordinary text: a control token's
+    spelling in it stays text); refused, naming ``prediction``, where it is not text or token
+    ids, holds ids outside the vocabulary, or is longer than the context window (text past
+    ``CHARS_PER_TOKEN_BOUND`` characters a token is refused before it is tokenized)."""
+    if prediction is None:
+        return []
+    bound = max_tokens if max_tokens is not None else PREDICTION_TOKENS
+    if isinstance(prediction, str):
+        if len(prediction) > bound * CHARS_PER_TOKEN_BOUND:
+            msg = f"prediction has {len(prediction)} characters; at most {bound} tokens fit"
+            raise InvalidRequestError(msg)
+        ids = _spell(_need_tokenizer(tokenizer, "a text prediction"), prediction)
+    elif isinstance(prediction, Sequence) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in prediction
+    ):
+        ids = [int(x) for x in prediction]
+        bad = [x for x in ids if not 0 <= x < vocab_size]
+        if bad:
+            msg = f"prediction: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+            raise InvalidRequestError(msg)
+    else:
+        msg = f"prediction must be text or token ids, got {type(prediction).__name__}"
+        raise InvalidRequestError(msg)
+    if len(ids) > bound:
+        msg = f"prediction has {len(ids)} tokens; at most {bound} (the context window)"
+        raise InvalidRequestError(msg)
+    return ids
+
+
+PREDICTION_TOKENS = 32768
+"""The longest prediction where the model declares no context window."""
+CHARS_PER_TOKEN_BOUND = 16
+"""No tokenizer spends fewer than one token on 16 characters of text: longer text is refused
+uncounted."""
+
 COUNT_CHUNK_CHARS = 16384
 """Text is counted this many characters at a time (cut at a space), so counting stops soon
 after the limit is passed."""

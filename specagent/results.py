@@ -20,6 +20,11 @@ class Usage:
     cached_input_tokens: int = 0
     """Of ``input_tokens``, those whose KV the call took from the prefix cache (an earlier turn
     of the conversation, a shared system prompt) instead of computing it."""
+    accepted_prediction_tokens: int = 0
+    """Output tokens drafted from the call's prediction and accepted (OpenAI's name)."""
+    rejected_prediction_tokens: int = 0
+    """The prediction's tokens that did not make it into the output: its length less the
+    accepted ones (as OpenAI counts them: they cost verification work, not output)."""
 
     @property
     def total_tokens(self) -> int:

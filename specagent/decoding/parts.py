@@ -51,3 +51,6 @@ class DraftingParts:
     call_end: int | None = None
     """The context length at which the call must end (prompt plus ``max_new_tokens``; None:
     unknown): a draft model weighs what catching up costs against what the call has left."""
+    prediction: Sequence[int] = ()
+    """The caller's predicted output (OpenAI's ``prediction``), tokenized: text-drafting kinds
+    copy it where the output follows it; it never enters the prompt."""

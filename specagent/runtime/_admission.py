@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..call import Call
-from ..chat import Prompt, render_prompt
+from ..chat import Prompt, prediction_ids, render_prompt
 from ..decoding.drafters.base import DrafterBlock
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
@@ -47,6 +47,8 @@ class Request:
     history_key: HistoryScope | None = None
     """Whose earlier text this call may draft from, and where its own text is kept (None:
     its own context only, nothing kept)."""
+    prediction_ids: tuple[int, ...] = ()
+    """The caller's predicted output, tokenized (``Call.prediction``)."""
 
     @property
     def reproducible(self) -> bool:
@@ -141,6 +143,9 @@ class Admission:
             grammar=grammar,
             tenant=who,
             history_key=key,
+            prediction_ids=tuple(
+                prediction_ids(call.prediction, tok, self.vocab_size, self.context_window)
+            ),
         )
 
 

@@ -14,6 +14,17 @@ from ._admission import Request
 __all__ = ["CallAssembler"]
 
 
+def prediction_usage(prediction: Sequence[int], counters: DecodeCounters) -> dict[str, int]:
+    """A prediction's tokens accepted into the output and the rest of it (OpenAI's counts)."""
+    if not prediction:
+        return {}
+    accepted = counters.accepted_by_source.get("prediction", 0)
+    return {
+        "accepted_prediction_tokens": accepted,
+        "rejected_prediction_tokens": max(len(prediction) - accepted, 0),
+    }
+
+
 class CallAssembler:
     """Turns a call's decode events into text chunks and the final result (caller side)."""
 
@@ -70,6 +81,7 @@ class CallAssembler:
                 input_tokens=len(self.request.prompt_ids),
                 output_tokens=len(output_ids),
                 cached_input_tokens=event.counters.cached_prompt_tokens,
+                **prediction_usage(self.request.prediction_ids, event.counters),
             ),
             stats=self._stats(event.counters, now, len(output_ids)),
             seed=self.request.seed,

@@ -186,7 +186,9 @@ class Decoder:
         if self.prefixes is not None and request.tenant is not None:
             prefixes = self.prefixes.scoped(request.tenant)
         call_end = len(request.prompt_ids) + request.max_new_tokens
-        parts = dataclasses.replace(self.parts, prefixes=prefixes, call_end=call_end)
+        parts = dataclasses.replace(
+            self.parts, prefixes=prefixes, call_end=call_end, prediction=request.prediction_ids
+        )
         target = self.target_runner
         if request.reproducible:
             # No KV from other calls' forwards, and none beside theirs: either would change

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..alignment import CopyRates, SpanCopier
 from ..costs import CostModel, most_per_cost
 from ..history import Continuation, SuffixIndex, continuation, runner_up
 from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
@@ -63,8 +64,10 @@ class SuffixConfig(HistoryFields):
 
 
 class SuffixDrafter(Drafter):
-    """Proposes what most often followed the context's longest match, in the call's own context
-    (prompt and output so far) and in the earlier calls of ``shared`` indexes."""
+    """Proposes text already written: per step, the better (by expected tokens per unit of
+    cost) of what most often followed the context's longest match, in the call's own context
+    (prompt and output so far) and in the earlier calls of ``shared`` indexes, and the aligned
+    copy (``alignment.SpanCopier``) of the call's own text or of the caller's ``prediction``."""
 
     name = "suffix"
 
@@ -74,6 +77,7 @@ class SuffixDrafter(Drafter):
         costs: CostModel | None = None,
         own_context: bool = True,
         trees: bool = False,
+        prediction: Sequence[int] = (),
     ) -> None:
         self.shared = list(shared)
         self.costs = costs or CostModel()
@@ -85,6 +89,12 @@ class SuffixDrafter(Drafter):
         self._calibration = Calibration(confidence=2.0, hits=1.6)
         """History tokens' vote shares against the target's acceptance (prior: 80% of the vote
         share)."""
+        rates = CopyRates()
+        self.copiers = [SpanCopier([], own=True, rates=rates)] if own_context else []
+        if prediction:
+            self.copiers.append(SpanCopier(list(prediction), label="prediction", rates=rates))
+        self._chosen: SpanCopier | None = None
+        """The copier whose draft was the last candidate (None: the n-gram match's)."""
 
     def candidate(
         self, context: list[int], limit: int, after: Callable[[float], float] | None = None
@@ -93,6 +103,22 @@ class SuffixDrafter(Drafter):
         ``after(tokens)``: what emitting that many tokens this way costs later (a draft model
         feeding them at its next draft), added to the verification's cost."""
         self._sync(context)
+        best, best_rate = Continuation([], [], 0), 0.0
+        self._chosen = None
+        # The caller's prediction first: on a tie its tokens count as the prediction's.
+        for copier in reversed(self.copiers):
+            copied, rate = copier.candidate(context, limit, self.costs, after)
+            if copied.tokens and rate > best_rate:
+                best, best_rate, self._chosen = copied, rate, copier
+        matched, rate = self._matched(context, limit, after)
+        if matched.tokens and rate > best_rate:
+            best, best_rate, self._chosen = matched, rate, None
+        return best, best_rate
+
+    def _matched(
+        self, context: list[int], limit: int, after: Callable[[float], float] | None
+    ) -> tuple[Continuation, float]:
+        """The n-gram match's continuation, cut by cost, and its tokens per unit of cost."""
         found = continuation(self._indexes(), context, limit)
         if not found.tokens:
             return found, 0.0
@@ -122,7 +148,7 @@ class SuffixDrafter(Drafter):
         per unit of the step's cost (verification and ``after``), and none unless that beats
         ``found`` alone."""
         main = self.take(found, None)
-        if not self.trees or not found.tokens:
+        if not self.trees or not found.tokens or self._chosen is not None:
             return main
         other = runner_up(self._indexes(), context, found, limit)
         if not other.tokens:
@@ -169,6 +195,8 @@ class SuffixDrafter(Drafter):
     def take(self, found: Continuation, constraint: TokenConstraint | None) -> Proposal:
         """Propose ``found`` (the admissible part under a constraint)."""
         proposal = admissible(list(found.tokens), constraint) if found.tokens else EMPTY
+        if self._chosen is not None:
+            return Proposal(proposal.tokens, masks=proposal.masks, source=self._chosen.label)
         self._calibration.last = found.confidences[: len(proposal.tokens)]
         return Proposal(proposal.tokens, masks=proposal.masks, source="history")
 
@@ -186,7 +214,10 @@ class SuffixDrafter(Drafter):
         return self.take(found, constraint)
 
     def observe(self, proposed: int, accepted: int) -> None:
-        self._calibration.judged(proposed, accepted)
+        if self._chosen is not None:
+            self._chosen.observe(proposed, accepted)
+        else:
+            self._calibration.judged(proposed, accepted)
 
     def _sync(self, context: list[int]) -> None:
         """Index the context's new tokens (a call's context only grows, unless a drafter was
@@ -214,7 +245,9 @@ def build_suffix(config: SuffixConfig, parts: DraftingParts) -> tuple[Drafter | 
 def history_drafter(config: HistoryFields, parts: DraftingParts) -> SuffixDrafter:
     own = config.history != "none"
     trees = config.tree and parts.target.takes_trees
-    return SuffixDrafter(parts.history, parts.costs(None), own_context=own, trees=trees)
+    return SuffixDrafter(
+        parts.history, parts.costs(None), own_context=own, trees=trees, prediction=parts.prediction
+    )
 
 
 KIND = DrafterKind(SuffixConfig, build_suffix, reads_history=True)

@@ -1,0 +1,339 @@
+"""Aligned copying: drafting the unchanged rest of a text that the output is rewriting.
+
+An edit's answer is its input with a few changes: a function with a name changed, a contract with
+a date moved, a configuration with two values updated. An n-gram lookup (``history``) drafts it
+in pieces: it needs a few tokens past every change before it matches again, and where a line
+occurs twice (``return None``, a repeated clause) its votes split and its drafts go short.
+``SpanCopier`` instead keeps the output *aligned* with one source (the call's own text, or the
+text the caller predicted): while the output follows the source it drafts the source from that
+position, as far as the costs say; where the output leaves it (the change), it re-anchors right
+after, on the shortest match that lies just ahead of where the alignment broke (one token is
+enough there, where anywhere else it would be a guess). What the output put in place of the
+source's span is learned as a substitution (``margin`` -> ``common_indent``), and later drafts
+apply it where the same span comes again, so a rename drafts through every later occurrence.
+
+Drafting lengths come from the cost curve and two acceptance estimates it keeps (decayed counts
+with priors): the chance a draft's first token is right after a fresh anchor (by the anchor's
+match length), and the chance each further token of an aligned copy is right. A copier is pure:
+its state is what it saw of one call's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .costs import CostModel, most_per_cost
+from .history import Continuation
+
+__all__ = ["CopyRates", "SpanCopier"]
+
+LONG_MATCH = 4
+"""A match this long may anchor anywhere in the source; a shorter one only just ahead of where
+the alignment broke (``WINDOW``)."""
+WINDOW = 48
+"""How far past the break (source tokens) a short re-anchoring match may lie: an edit replaces a
+span, and the text resumes right after it."""
+MAX_MATCH = 8
+"""Longest match measured when anchoring (longer ones pin the place no better)."""
+MAX_RULE_SOURCE = 8
+MAX_RULE_OUTPUT = 24
+"""A substitution is learned only for a short span replaced by short text (a rename, a changed
+literal), not for a rewritten paragraph."""
+MAX_RULES = 16
+
+
+@dataclass
+class _Rate:
+    """A decayed acceptance estimate (0.95 per observation) with a prior worth ``weight``."""
+
+    hits: float
+    trials: float
+
+    @classmethod
+    def prior(cls, chance: float, weight: float = 4.0) -> _Rate:
+        return cls(chance * weight, weight)
+
+    @property
+    def chance(self) -> float:
+        return min(self.hits / self.trials, 0.995)
+
+    def add(self, hits: float, trials: float) -> None:
+        if trials > 0:
+            self.hits = self.hits * 0.95 + hits
+            self.trials = self.trials * 0.95 + trials
+
+
+@dataclass
+class CopyRates:
+    """What aligned copying has been worth in this call, shared by a call's copiers (a copy is
+    a copy, whichever text it comes from): the chance a draft's first token is right after a
+    fresh anchor, by the anchor's match length (1, 2, 3, 4+), and the chance each further token
+    of an aligned copy is right."""
+
+    first: dict[int, _Rate] = field(
+        default_factory=lambda: {
+            n: _Rate.prior(chance) for n, chance in ((1, 0.35), (2, 0.5), (3, 0.65), (4, 0.85))
+        }
+    )
+    further: _Rate = field(default_factory=lambda: _Rate.prior(0.9, 8.0))
+
+
+@dataclass
+class _Cursor:
+    """Where the output stands in the source: the next source token to copy, and what is left
+    to emit of a substitution started before it."""
+
+    pos: int
+    pending: tuple[int, ...] = ()
+
+
+@dataclass
+class SpanCopier:
+    """Aligned copying from one source (see the module docstring).
+
+    ``source`` is static (a prediction) or, with ``own=True``, the call's context itself as it
+    grows (the prompt the output quotes, and the output's own earlier lines)."""
+
+    source: list[int]
+    own: bool = False
+    label: str = "history"
+    """The proposals' source (``accepted_by_source``): ``history`` or ``prediction``."""
+    cursor: _Cursor | None = None
+    run: int = 0
+    """Tokens the output has followed the source since the last anchor (the anchor's match
+    included)."""
+    broke_at: int | None = None
+    """Source position where the alignment last broke (re-anchoring looks just ahead)."""
+    broke_out: int = 0
+    """Context length at that break (what the output wrote instead starts there)."""
+    rules: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
+    rates: CopyRates = field(default_factory=CopyRates)
+    aligned_once: bool = False
+    """Whether the output has been aligned with the source at all (before, a prediction
+    re-anchors only at its start or on two tokens or more: the output's preamble, a code
+    fence, is not the prediction's)."""
+    seen: int = 0
+    """Context tokens synced."""
+    _positions: dict[int, list[int]] = field(default_factory=dict)
+    _indexed: int = 0
+    _last_first: _Rate | None = None
+    _fresh: bool = False
+    """Whether the last proposal started at a fresh anchor (its first token is judged by the
+    anchor's estimate, not the aligned copy's)."""
+
+    def __post_init__(self) -> None:
+        if not self.own:
+            # A prediction is the answer's expected text: the output starts at its start.
+            self.seen = -1
+            self.cursor, self.broke_at = _Cursor(0), 0
+            self._last_first = self.rates.first[2]
+
+    # ---------------------------------------------------------------- following the context
+
+    def sync(self, context: Sequence[int]) -> None:
+        """Follow the context's new tokens: along the alignment while they match it, else
+        break it; then re-anchor if it is broken."""
+        if self.seen < 0:  # the first sync: the context is the prompt
+            self.seen = len(context)
+        if self.own:
+            self._index_own(context)
+        elif self._indexed < len(self.source):
+            self._index(len(self.source))
+        for i in range(self.seen, len(context)):
+            self._follow(context[i], i)
+        self.seen = len(context)
+        if self.cursor is None:
+            self._anchor(context)
+
+    def _follow(self, token: int, at: int) -> None:
+        cursor = self.cursor
+        if cursor is None:
+            return
+        step = self._step(cursor)
+        if step is not None and step[0] == token:
+            self.cursor, self.run = step[1], self.run + 1
+            self.aligned_once = True
+            return
+        if (
+            not cursor.pending
+            and cursor.pos < self._length(at)
+            and self.source[cursor.pos] == token
+        ):
+            # The output kept the source where a substitution would have changed it: drop it.
+            self._forget_rule_at(cursor.pos)
+            self.cursor, self.run = _Cursor(cursor.pos + 1), self.run + 1
+            return
+        self.broke_at = cursor.pos
+        self.broke_out = at
+        self.cursor, self.run = None, 0
+
+    def _length(self, at: int) -> int:
+        """How much of the source exists before context position ``at`` (own context: the
+        tokens before it; a prediction: all of it)."""
+        return at if self.own else len(self.source)
+
+    def _index_own(self, context: Sequence[int]) -> None:
+        """The call's context is the source: index what it added (a context that is not the
+        one seen so far grown, as in a drafter reused for another call, starts over)."""
+        known = self._indexed
+        if len(context) < known or (known and context[known - 1] != self.source[known - 1]):
+            self.source, self._positions, self._indexed = [], {}, 0
+            self.seen, self.cursor, self.broke_at, self.run = 0, None, None, 0
+            known = 0
+        self.source.extend(context[known:])
+        self._index(len(self.source))
+
+    def _index(self, end: int) -> None:
+        for i in range(self._indexed, end):
+            self._positions.setdefault(self.source[i], []).append(i)
+        self._indexed = end
+
+    def _anchor(self, context: Sequence[int]) -> None:
+        """Re-anchor on the context's tail: a long match anywhere (nearest after the break,
+        else the latest), a short one only just ahead of the break; learn what replaced the
+        source's span where the alignment broke."""
+        end = len(context)
+        if end == 0:
+            return
+        limit = self._length(end)
+        tail_start = self.broke_out if self.broke_at is not None else 0
+        candidates: list[tuple[int, int]] = []  # (match length, position after the match)
+        for p in self._positions.get(context[end - 1], ()):
+            if p + 1 >= limit:
+                break  # the context's own tail, or past what exists yet
+            n = 1
+            while (
+                n < MAX_MATCH
+                and p - n >= 0
+                and end - 1 - n >= 0
+                and self.source[p - n] == context[end - 1 - n]
+            ):
+                n += 1
+            candidates.append((n, p + 1))
+        if not candidates:
+            return
+        best = self._choose(candidates)
+        if best is None:
+            return
+        n, pos = best
+        if (
+            self.broke_at is not None
+            and self.broke_at <= pos - n <= self.broke_at + MAX_RULE_SOURCE
+        ):
+            self._learn_rule(self.broke_at, pos - n, context[tail_start : end - n])
+        self.cursor, self.run = _Cursor(pos), n
+        self._last_first = self.rates.first[min(n, 4)]
+
+    def _choose(self, candidates: list[tuple[int, int]]) -> tuple[int, int] | None:
+        broke = self.broke_at
+        longest = max(n for n, _ in candidates)
+        if longest >= LONG_MATCH:
+            pool = [c for c in candidates if c[0] == longest]
+            if broke is not None:
+                ahead = [c for c in pool if c[1] - c[0] >= broke]
+                if ahead:
+                    return min(ahead, key=lambda c: c[1])
+            return max(pool, key=lambda c: c[1])
+        if broke is None:
+            return None
+        near = [
+            c
+            for c in candidates
+            if broke <= c[1] - c[0] <= broke + WINDOW
+            and (self.aligned_once or c[0] >= 2 or c[1] - c[0] == 0)
+        ]
+        if not near:
+            return None
+        return max(near, key=lambda c: (c[0], -c[1]))
+
+    def _learn_rule(self, start: int, stop: int, written: Sequence[int]) -> None:
+        """The output wrote ``written`` where the source had ``source[start:stop]``."""
+        span = tuple(self.source[start:stop])
+        if (
+            not span
+            or len(span) > MAX_RULE_SOURCE
+            or not written
+            or len(written) > MAX_RULE_OUTPUT
+            or span == tuple(written)
+        ):
+            return
+        if len(self.rules) >= MAX_RULES and span not in self.rules:
+            return
+        self.rules[span] = tuple(written)
+
+    def _forget_rule_at(self, pos: int) -> None:
+        for span in list(self.rules):
+            if tuple(self.source[pos : pos + len(span)]) == span:
+                del self.rules[span]
+
+    def _step(self, cursor: _Cursor) -> tuple[int, _Cursor] | None:
+        """The next token the alignment expects, and the cursor after it."""
+        if cursor.pending:
+            return cursor.pending[0], _Cursor(cursor.pos, cursor.pending[1:])
+        if cursor.pos >= len(self.source):
+            return None
+        for span, written in self.rules.items():
+            if (
+                self.source[cursor.pos] == span[0]
+                and tuple(self.source[cursor.pos : cursor.pos + len(span)]) == span
+            ):
+                return written[0], _Cursor(cursor.pos + len(span), written[1:])
+        return self.source[cursor.pos], _Cursor(cursor.pos + 1)
+
+    # ---------------------------------------------------------------- drafting
+
+    def candidate(
+        self,
+        context: Sequence[int],
+        limit: int,
+        costs: CostModel,
+        after: Callable[[float], float] | None = None,
+    ) -> tuple[Continuation, float]:
+        """The aligned draft worth proposing (cut by cost) and its expected tokens per unit of
+        cost (0.0: nothing to copy)."""
+        self.sync(context)
+        if self.cursor is None or limit <= 0:
+            return Continuation([], [], 0), 0.0
+        tokens: list[int] = []
+        cursor: _Cursor | None = self.cursor
+        limit_pos = self._length(len(context))
+        while cursor is not None and len(tokens) < limit:
+            if not cursor.pending and cursor.pos >= limit_pos:
+                break
+            step = self._step(cursor)
+            if step is None:
+                break
+            tokens.append(step[0])
+            cursor = step[1]
+        if not tokens:
+            return Continuation([], [], 0), 0.0
+        fresh = self.run < LONG_MATCH and self._last_first is not None
+        further = self.rates.further
+        chance = self._last_first.chance if fresh and self._last_first else further.chance
+        gains, confidences = [1.0], []
+        reach = 1.0
+        for i in range(len(tokens)):
+            p = chance if i == 0 else further.chance
+            confidences.append(p)
+            reach *= p
+            gains.append(gains[-1] + reach)
+        step_costs = [
+            costs.verify_cost(n + 1) + (after(gain) if after is not None else 0.0)
+            for n, gain in enumerate(gains)
+        ]
+        length = most_per_cost(gains, step_costs)
+        kept = Continuation(tokens[:length], confidences[:length], self.run)
+        self._fresh = fresh
+        return kept, gains[length] / step_costs[length]
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """The target judged the last proposal (its first ``accepted`` tokens kept)."""
+        if proposed <= 0:
+            return
+        further = self.rates.further
+        first = self._last_first if self._fresh and self._last_first is not None else further
+        first.add(1.0 if accepted >= 1 else 0.0, 1.0)
+        if accepted >= 1:
+            judged = min(accepted + 1, proposed) - 1
+            further.add(float(min(accepted - 1, judged)), float(judged))

@@ -1,0 +1,280 @@
+"""``specagent bench --workload edits``: the text asked back whole with a few changes, where
+speculation pays most (``edit_tasks``: real standard-library code and business documents, edits
+of several kinds).
+
+Every method runs every task, methods taking turns per task and round (plain first: the
+reference). specagent runs its lossless policies twice: as a call with only the prompt, and with
+the text to edit given as the call's predicted output (``prediction``, OpenAI's predicted
+outputs): the prediction only drafts, so a lossless call's tokens are the same either way, and
+the bench checks that they are. A ``rewrite`` task asks for the JSON configuration as YAML
+(text that is not in the prompt), with the expected YAML only as the prediction.
+
+Reported per task and method: tokens, seconds, tokens/s, whether the output applied the edit and
+how close its text is to the expected one, acceptance and where accepted tokens came from; every
+lossless output is compared with plain greedy token for token (a difference explained as a
+near-tie or not, ``explain_divergence``). The history is cleared before every specagent call:
+each call drafts from its own prompt (and prediction) only, never from an earlier round's output
+of the same task.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..chat import render_prompt
+from ..machine import machine_info
+from ..policy import Policy
+from ..policy.schema import AutoConfig, NoDrafterConfig
+from ..runtime import SpecRuntime
+from .baselines import Method, prepared_methods
+from .divergence import explain_divergence, tally_differences
+from .edit_tasks import EditTask, edit_tasks, rewrite_task
+from .records import dtypes_of, geomean, peak_rss_mb
+
+__all__ = ["EditBenchResult", "edit_policies", "run_edit_bench"]
+
+PREDICTED = "+prediction"
+"""Suffix of a specagent method that gets the text to edit as the call's prediction."""
+
+
+def edit_policies(has_draft: bool) -> list[Policy]:
+    """``lossless-auto`` as the shipped lossless policies draft (history of the call's own
+    text, the draft model where there is one), and ``lossless-plain`` (no drafts)."""
+    del has_draft  # the auto drafter uses the draft model when the runtime has one
+    return [
+        Policy(
+            name="lossless-auto",
+            description="edits bench",
+            mode="lossless",
+            drafter=AutoConfig(num_speculative_tokens=32, history="call"),
+        ),
+        Policy(
+            name="lossless-plain",
+            description="edits bench: no drafts",
+            mode="lossless",
+            drafter=NoDrafterConfig(),
+        ),
+    ]
+
+
+@dataclass
+class EditRun:
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    applied: bool
+    similarity: float
+    equal_to_plain: bool | None = None
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    accepted_by_source: dict[str, int] | None = None
+    divergence: dict[str, Any] | None = None
+
+
+@dataclass
+class EditBenchResult:
+    target: str
+    max_new_tokens: int
+    rounds: int
+    tasks: dict[str, dict[str, EditRun]] = field(default_factory=dict)
+    """Per task and method: the median round."""
+    kinds: dict[str, str] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=machine_info)
+    precision: dict[str, Any] = field(default_factory=dict)
+    peak_rss_mb: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["tasks"] = {
+            t: {m: asdict(r) for m, r in rows.items()} for t, rows in self.tasks.items()
+        }
+        return data
+
+
+Predicted = Callable[[list[int], int, str], tuple[list[int], Any]]
+
+
+def _spec(runtime: SpecRuntime, policy: str, max_new_tokens: int) -> Predicted:
+    def run(ids: list[int], seed: int, prediction: str | None = None) -> tuple[list[int], Any]:
+        if runtime.history is not None:
+            runtime.history.clear()
+        result = runtime.generate_sync(
+            ids,
+            policy=policy,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            tenant="bench-edits",
+            prediction=prediction,
+        )
+        return result.token_ids, result.stats
+
+    return run
+
+
+def run_edit_bench(
+    runtime: SpecRuntime,
+    *,
+    max_new_tokens: int = 1024,
+    repeats: int = 1,
+    methods: Iterable[str] | None = None,
+    tasks: Iterable[str] | None = None,
+    target_name: str = "target",
+    log: Callable[[str], None] = print,
+    baselines: Mapping[str, Method] | None = None,
+) -> EditBenchResult:
+    """Every method over every task, ``repeats`` rounds (the runtime's policies:
+    ``edit_policies``)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if runtime.tokenizer is None:
+        raise ValueError("the edits are chat prompts: the runtime needs a tokenizer")
+    chosen = [*edit_tasks(), rewrite_task()]
+    if tasks is not None:
+        only = set(tasks)
+        unknown = only - {t.id for t in chosen}
+        if unknown:
+            raise ValueError(f"unknown edit tasks {sorted(unknown)}")
+        chosen = [t for t in chosen if t.id in only]
+    own: dict[str, Method] = {}
+    predicted: dict[str, Predicted] = {}
+    for policy in runtime.policies:
+        if policy.name == "default":
+            continue
+        run = _spec(runtime, policy.name, max_new_tokens)
+        own[f"specagent_{policy.name}"] = run
+        if policy.drafter.kind != "none":
+            predicted[f"specagent_{policy.name}{PREDICTED}"] = run
+    wanted = set(methods) if methods is not None else None
+    runs = prepared_methods(
+        runtime,
+        own,
+        max_new_tokens,
+        None if wanted is None else wanted - set(predicted),
+        baselines,
+        log,
+    )
+    predicted = {n: r for n, r in predicted.items() if wanted is None or n in wanted}
+    out = EditBenchResult(
+        target_name, max_new_tokens, repeats, kinds={t.id: t.kind for t in chosen}
+    )
+    out.precision = dtypes_of(runtime)
+    rounds: dict[str, dict[str, list[EditRun]]] = {t.id: {} for t in chosen}
+    differ: list[tuple[EditRun, list[int], list[int], list[int]]] = []
+    for round_index in range(repeats):
+        for task in chosen:
+            ids = render_prompt(task.messages(), runtime.tokenizer, vocab_size=runtime.vocab_size)
+            reference: list[int] = []
+            for name in [*runs, *predicted]:
+                start = time.perf_counter()
+                if name in predicted:
+                    tokens, stats = predicted[name](ids, round_index, task.prediction)
+                else:
+                    tokens, stats = runs[name](ids, round_index)
+                seconds = time.perf_counter() - start
+                text = str(runtime.tokenizer.decode(tokens, skip_special_tokens=True))
+                row = _row(task, tokens, seconds, text, stats)
+                if name == "plain":
+                    reference = tokens
+                else:
+                    row.equal_to_plain = tokens == reference
+                    if tokens != reference and name.startswith("specagent_"):
+                        differ.append((row, ids, reference, tokens))
+                rounds[task.id].setdefault(name, []).append(row)
+        log(f"round {round_index + 1} of {repeats} done")
+    for task_id, by_method in rounds.items():
+        out.tasks[task_id] = {
+            name: sorted(rows, key=lambda r: r.seconds)[len(rows) // 2]
+            for name, rows in by_method.items()
+        }
+    out.peak_rss_mb = peak_rss_mb()
+    reported = {id(r) for rows in out.tasks.values() for r in rows.values()}
+    explain = [d for d in differ if id(d[0]) in reported]
+    if explain:
+        log(f"explaining {len(explain)} outputs that differ from plain greedy")
+        for (row, *_), report in zip(
+            explain, explain_divergence(runtime, [d[1:] for d in explain]), strict=True
+        ):
+            row.divergence = report
+    out.summary = summarise(out.tasks)
+    return out
+
+
+def _row(task: EditTask, tokens: list[int], seconds: float, text: str, stats: Any) -> EditRun:
+    row = EditRun(
+        len(tokens),
+        round(seconds, 3),
+        round(len(tokens) / seconds, 3) if seconds else 0.0,
+        task.applied(text),
+        round(task.similarity(text), 3),
+    )
+    if stats is not None:
+        row.acceptance_rate = round(stats.acceptance_rate, 3)
+        row.mean_acceptance_length = round(stats.mean_acceptance_length, 3)
+        row.accepted_by_source = dict(stats.accepted_by_source)
+    return row
+
+
+def summarise(tasks: dict[str, dict[str, EditRun]]) -> dict[str, Any]:
+    """Tokens/s over all tasks, speed-ups (total time and per task) against plain, each
+    baseline and the best baseline per task, edits applied, and lossless outputs' agreement."""
+    methods = list(next(iter(tasks.values())))
+    seconds = {m: {t: rows[m].seconds for t, rows in tasks.items() if m in rows} for m in methods}
+    tokens = {m: sum(rows[m].tokens for rows in tasks.values() if m in rows) for m in methods}
+    baselines = [m for m in methods if not m.startswith("specagent_")]
+    summary: dict[str, Any] = {
+        "tokens_per_s": {
+            m: round(tokens[m] / sum(seconds[m].values()), 3) if seconds[m] else 0.0
+            for m in methods
+        },
+        "applied": {
+            m: sum(rows[m].applied for rows in tasks.values() if m in rows) for m in methods
+        },
+        "tasks": len(tasks),
+    }
+    for baseline in baselines:
+        summary[f"speedup_vs_{baseline}"] = {
+            m: _ratios(seconds[baseline], seconds[m]) for m in methods if m != baseline
+        }
+    best = {t: min(seconds[b][t] for b in baselines if t in seconds[b]) for t in tasks}
+    summary["speedup_vs_best_baseline"] = {
+        m: _ratios(best, seconds[m]) for m in methods if m.startswith("specagent_")
+    }
+    summary["divergences"] = tally_differences(
+        (m, rows[m].equal_to_plain, rows[m].divergence)
+        for rows in tasks.values()
+        for m in rows
+        if m.startswith("specagent_")
+    )
+    sources: dict[str, dict[str, int]] = {}
+    for rows in tasks.values():
+        for m, row in rows.items():
+            for source, n in (row.accepted_by_source or {}).items():
+                sources.setdefault(m, {})[source] = sources.get(m, {}).get(source, 0) + n
+    summary["accepted_by_source"] = sources
+    return summary
+
+
+def _ratios(theirs: Mapping[str, float], mine: Mapping[str, float]) -> dict[str, Any]:
+    shared = [t for t in mine if t in theirs and mine[t]]
+    per_task = {t: round(theirs[t] / mine[t], 3) for t in shared}
+    return {
+        "total_time": round(sum(theirs[t] for t in shared) / sum(mine[t] for t in shared), 3),
+        "geomean_tasks": round(geomean(per_task.values()), 3),
+        "min_task": min(per_task.values()),
+        "per_task": per_task,
+        "median_task": round(statistics.median(per_task.values()), 3),
+    }
+
+
+def save_edit_bench(result: EditBenchResult, out_dir: Path, stem: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    return path
