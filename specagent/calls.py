@@ -105,6 +105,7 @@ class CallSpec:
         answer_guard: bool = True,
         describe_format: bool = True,
         repeat_guard: bool = False,
+        prediction: Any = None,
     ) -> CallSpec:
         """Validate and translate. The policy: ``policy`` if named; else ``default_policy``
         unless the call's ``tags`` route to a policy (``backend.policies.route``); else the
@@ -120,7 +121,10 @@ class CallSpec:
         ``describe_format``: a ``json_schema`` or ``json_object`` response format is also told
         to the model (``format_instruction``, in the system message): the grammar makes the
         output valid, the instruction makes it the answer (a small model constrained to a
-        schema it was never shown fills its first string with anything)."""
+        schema it was never shown fills its first string with anything).
+
+        ``prediction``: OpenAI's predicted output (``{"type": "content", "content": ...}``, or
+        the text itself; ``predicted_content``)."""
         if policy is None and default_policy is not None:
             routed = backend.policies.route(tags) if tags and backend is not None else None
             policy = routed.name if routed is not None and routed.match.tags else default_policy
@@ -148,12 +152,40 @@ class CallSpec:
             tools=offered,
             constraint=constraint,
             tenant=tenant,
+            prediction=predicted_content(prediction),
         )
         return cls(
             call,
             forced_tool=constraint is not None and offered is not None,
             repeat_guard=repeat_guard and offered is not None and constraint is None,
         )
+
+
+def predicted_content(prediction: Any) -> str | None:
+    """The text of a predicted output as OpenAI's API and ``ChatOpenAI`` pass it:
+    ``{"type": "content", "content": text}`` where the content is text or a list of text parts
+    (``{"type": "text", "text": ...}``), or the text itself; None for none. Any other shape is
+    ``InvalidRequestError`` naming what was wrong."""
+    if prediction is None or isinstance(prediction, str):
+        return prediction
+    if not isinstance(prediction, Mapping):
+        kind = type(prediction).__name__
+        msg = f"prediction: must be an object {{'type': 'content', 'content': ...}}, got {kind}"
+        raise InvalidRequestError(msg)
+    if prediction.get("type") != "content":
+        raise InvalidRequestError("prediction: 'type' must be 'content'")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, Mapping)
+        and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    msg = "prediction: 'content' must be text or a list of {'type': 'text', 'text': ...} parts"
+    raise InvalidRequestError(msg)
 
 
 def split_model(requested: str, served: str) -> str | None:

@@ -78,7 +78,7 @@ def prediction_ids(
     bound = max_tokens if max_tokens is not None else PREDICTION_TOKENS
     if isinstance(prediction, str):
         if len(prediction) > bound * CHARS_PER_TOKEN_BOUND:
-            msg = f"prediction has {len(prediction)} characters; at most {bound} tokens fit"
+            msg = f"prediction: {len(prediction)} characters; at most {bound} tokens fit"
             raise InvalidRequestError(msg)
         ids = _spell(_need_tokenizer(tokenizer, "a text prediction"), prediction)
     elif isinstance(prediction, Sequence) and all(
@@ -90,10 +90,10 @@ def prediction_ids(
             msg = f"prediction: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
             raise InvalidRequestError(msg)
     else:
-        msg = f"prediction must be text or token ids, got {type(prediction).__name__}"
+        msg = f"prediction: must be text or token ids, got {type(prediction).__name__}"
         raise InvalidRequestError(msg)
     if len(ids) > bound:
-        msg = f"prediction has {len(ids)} tokens; at most {bound} (the context window)"
+        msg = f"prediction: {len(ids)} tokens; at most {bound} fit (the context window)"
         raise InvalidRequestError(msg)
     return ids
 

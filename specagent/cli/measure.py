@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +21,19 @@ __all__ = ["bench_command", "eval_command", "tune_command"]
 
 def bench_command(args: argparse.Namespace) -> int:
     from ..llama_server import llama_server_methods
-    from ..measuring.bench import bench_policies, run_bench, save
     from ..runtime import SpecRuntime
 
     target, draft = target_and_draft(args)
-    agent = args.workload == "agent"
-    if agent:
-        from ..measuring.agent_bench import agent_policies, run_agent_bench, save_agent_bench
-
-    # Single prompts: no prefix reuse, every method pays its own prefill, as the baselines do
-    # (benchmarks/runtime_load.py measures what reuse saves). Agent episodes run specagent both
-    # ways: paying every prefill, and as an agent runs it (each turn from the last one's KV).
+    workload = WORKLOADS[args.workload]
+    # Single prompts and edits: no prefix reuse, every method pays its own prefill, as the
+    # baselines do (benchmarks/runtime_load.py measures what reuse saves). Agent episodes run
+    # specagent both ways: paying every prefill, and as an agent runs it (each turn from the
+    # last one's KV).
     runtime = SpecRuntime.from_pretrained(
         target,
         draft=draft,
-        policies=(agent_policies if agent else bench_policies)(draft is not None),
-        prefix_cache_tokens=65536 if agent else 0,
+        policies=workload.policies(draft is not None),
+        prefix_cache_tokens=65536 if args.workload == "agent" else 0,
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
         compile_steps=compile_steps(args),
@@ -44,7 +44,7 @@ def bench_command(args: argparse.Namespace) -> int:
         f"bench-{args.workload}_{runtime.engine.replace('.', '-')}_"
         f"{args.pair or Path(target).name}_{machine_kind()}"
     )
-    max_new_tokens = args.max_new_tokens or (32 if agent else 48)
+    max_new_tokens = args.max_new_tokens or workload.max_new_tokens
     with llama_server_methods(runtime, max_new_tokens, args.llama_server) as servers:
         if runtime.engine == "llama.cpp" and not servers:
             print(
@@ -52,36 +52,69 @@ def bench_command(args: argparse.Namespace) -> int:
                 "(--llama-server PATH, or `python benchmarks/llama_server.py build`)",
                 file=sys.stderr,
             )
-        if agent:
-            outcome = run_agent_bench(
-                runtime,
-                max_new_tokens=max_new_tokens,
-                repeats=args.repeats,
-                methods=args.methods,
-                target_name=Path(target).name,
-                draft_name=Path(draft).name if draft else None,
-                baselines=servers,
-            )
-        else:
-            result = run_bench(
-                runtime,
-                max_new_tokens=max_new_tokens,
-                target_name=Path(target).name,
-                draft_name=Path(draft).name if draft else None,
-                repeats=args.repeats,
-                methods=args.methods,
-                baselines=servers,
-            )
+        written = workload.run(
+            runtime,
+            args,
+            max_new_tokens=max_new_tokens,
+            target_name=Path(target).name,
+            draft_name=Path(draft).name if draft else None,
+            baselines=servers,
+            stem=stem,
+        )
     runtime.close()
-    if agent:
-        json_path, png_path = save_agent_bench(outcome, args.out, stem)
-        print(json.dumps(outcome.summary, indent=1))
-        print(f"wrote {json_path} and {png_path}")
-        return 0
-    json_path, png_path = save(result, args.out, stem)
-    print(json.dumps(result.summary, indent=1))
-    print(f"wrote {json_path} and {png_path}")
+    print(f"wrote {' and '.join(str(p) for p in written)}")
     return 0
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One ``--workload``: its policies, its default token budget and how it runs and saves
+    (returning the files written)."""
+
+    policies: Callable[[bool], list[Any]]
+    max_new_tokens: int
+    run: Callable[..., list[Path]]
+
+
+def _prompts(runtime: Any, args: argparse.Namespace, *, stem: str, **options: Any) -> list[Path]:
+    from ..measuring.bench import run_bench, save
+
+    result = run_bench(runtime, repeats=args.repeats, methods=args.methods, **options)
+    print(json.dumps(result.summary, indent=1))
+    return list(save(result, args.out, stem))
+
+
+def _agent(runtime: Any, args: argparse.Namespace, *, stem: str, **options: Any) -> list[Path]:
+    from ..measuring.agent_bench import run_agent_bench, save_agent_bench
+
+    outcome = run_agent_bench(runtime, repeats=args.repeats, methods=args.methods, **options)
+    print(json.dumps(outcome.summary, indent=1))
+    return list(save_agent_bench(outcome, args.out, stem))
+
+
+def _edits(runtime: Any, args: argparse.Namespace, *, stem: str, **options: Any) -> list[Path]:
+    from ..measuring.edit_bench import run_edit_bench, save_edit_bench
+
+    options.pop("draft_name")
+    result = run_edit_bench(
+        runtime, repeats=args.repeats, methods=args.methods, tasks=args.tasks, **options
+    )
+    print(json.dumps(result.summary, indent=1))
+    return [save_edit_bench(result, args.out, stem)]
+
+
+def _policies(module: str, name: str) -> Callable[[bool], list[Any]]:
+    def policies(has_draft: bool) -> list[Any]:
+        return getattr(import_module(f"..measuring.{module}", __package__), name)(has_draft)
+
+    return policies
+
+
+WORKLOADS = {
+    "prompts": Workload(_policies("bench", "bench_policies"), 48, _prompts),
+    "agent": Workload(_policies("agent_bench", "agent_policies"), 32, _agent),
+    "edits": Workload(_policies("edit_bench", "edit_policies"), 1024, _edits),
+}
 
 
 def _load_named_policy(ref: str, directory: str | None) -> Any:

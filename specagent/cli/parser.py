@@ -120,13 +120,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     model_options(bench, policies=False)
     bench.add_argument(
         "--workload",
-        choices=["prompts", "agent"],
+        choices=["prompts", "agent", "edits"],
         default="prompts",
         help="prompts: five single-turn agent-style prompts; agent: 12 multi-turn agent "
-        "episodes, each turn built on the replies before it",
+        "episodes, each turn built on the replies before it; edits: real code and business "
+        "documents asked back whole with a few changes (specagent with and without the text "
+        "as the call's prediction)",
     )
     bench.add_argument(
-        "--max-new-tokens", type=int, default=None, help="per call (default: 48; agent: 32)"
+        "--tasks",
+        nargs="+",
+        default=None,
+        help="edits: run only these tasks (ids as in the results, e.g. rename-dedent)",
+    )
+    bench.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="per call (default: 48; agent: 32; edits: 1024)",
     )
     bench.add_argument(
         "--repeats", type=int, default=1, help="rounds, methods interleaved; median reported"

@@ -139,6 +139,7 @@ def call_spec(
             max_tokens=budget(body.budget, key, options),
             seed=body.seed,
             timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
+            prediction=body.prediction,
         )
     except ValueError as exc:  # InvalidRequestError and message translation
         raise as_api_error(exc) from None

@@ -52,7 +52,6 @@ UNHONOURED = {
     "top_logprobs": "logprobs are not supported",
     "audio": "audio output is not supported",
     "modalities": "only the text modality is supported",
-    "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
 }
 """OpenAI's request fields this server cannot honour, each with the reason it says."""
@@ -137,7 +136,9 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: Any = None
     audio: Any = None
     modalities: Any = None
-    prediction: Any = None
+    prediction: dict[str, Any] | None = None
+    """OpenAI's predicted output (``{"type": "content", "content": ...}``): it drafts, never
+    enters the prompt, and leaves a lossless policy's output as it is."""
     web_search_options: Any = None
 
     @field_validator(*UNHONOURED)
@@ -301,6 +302,10 @@ def usage_body(result: GenerationResult) -> dict[str, Any]:
         "completion_tokens": result.usage.output_tokens,
         "total_tokens": result.usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": result.usage.cached_input_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": result.usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": result.usage.rejected_prediction_tokens,
+        },
     }
 
 

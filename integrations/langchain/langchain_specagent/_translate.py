@@ -62,6 +62,10 @@ def final_chunk(chunk: CallChunk, model_name: str) -> ChatGenerationChunk:
                 "prompt_tokens": result.usage.input_tokens,
                 "completion_tokens": result.usage.output_tokens,
                 "total_tokens": result.usage.total_tokens,
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": result.usage.accepted_prediction_tokens,
+                    "rejected_prediction_tokens": result.usage.rejected_prediction_tokens,
+                },
             },
             "model_name": model_name,
         },

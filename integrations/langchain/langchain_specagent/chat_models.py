@@ -377,6 +377,7 @@ class ChatSpecAgent(BaseChatModel):
             timeout=kwargs.pop("timeout", self.timeout),
             answer_guard=self.guard_answers,
             repeat_guard=self.guard_answers,
+            prediction=kwargs.pop("prediction", None),
         )
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
