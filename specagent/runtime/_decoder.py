@@ -13,12 +13,14 @@ from typing import Any
 import torch
 
 from ..decoding.costs import CostBook, CostModel
+from ..decoding.drafters.predicted import PredictedDrafter
 from ..decoding.engine import Runner
 from ..decoding.history import HistoryStore
 from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
 from ..decoding.prefix import PrefixCache
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
+from ..decoding.schedule import FixedSchedule
 from ..decoding.stopping import StopStrings
 from ..engines import EngineModel, RunnerNeeds
 from ..grammar import prepare
@@ -197,7 +199,17 @@ class Decoder:
             target, prefixes = parts.target, None
         if key is not None and history is not None:
             parts = dataclasses.replace(parts, history=history.indexes(key))
-        drafter, schedule = DRAFTERS[block.kind].build(block, parts)
+        kind = DRAFTERS[block.kind]
+        drafter, schedule = kind.build(block, parts)
+        if (
+            request.prediction_ids
+            and drafter is not None
+            and kind.drafts
+            and not kind.reads_history
+        ):
+            # Kinds that read text weigh the prediction themselves (``parts.prediction``).
+            drafter = PredictedDrafter(drafter, schedule, request.prediction_ids, parts.costs(None))
+            schedule = FixedSchedule(block.num_speculative_tokens)
         acceptance = policy.acceptance
         stops: Any = StopStrings(request.stop, self.decode_text) if request.stop else None
         steps = speculative_steps(
