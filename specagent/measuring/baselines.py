@@ -141,14 +141,18 @@ def prepared_methods(
     methods: Iterable[str] | None = None,
     baselines: Mapping[str, Method] | None = None,
     log: Callable[[str], None] = print,
+    unless_named: Iterable[str] = (),
 ) -> dict[str, Method]:
     """The methods a benchmark times: plain (the reference, first and always) and the other
     baselines of the runtime's engine, ``baselines`` (other programs on the same model files),
-    then specagent's ``own``; only those ``methods`` names where it names any. Each is run once
+    then specagent's ``own``; only those ``methods`` names where it names any (and, where it
+    names none, not those ``unless_named``: a workload a baseline cannot run). Each is run once
     (kernels, allocator), and the runtime's step costs are measured before any is timed (timed
     runs must not share the worker with the measurement)."""
     runs = {**baseline_methods(runtime, max_new_tokens), **(baselines or {}), **own}
-    if methods is not None:
+    if methods is None:
+        runs = {name: run for name, run in runs.items() if name not in set(unless_named)}
+    else:
         only = set(methods)
         unknown = only - set(runs)
         if unknown:

@@ -39,6 +39,10 @@ from .records import dtypes_of, geomean, peak_rss_mb
 
 __all__ = ["EditBenchResult", "edit_policies", "run_edit_bench"]
 
+UNFIT = ("llama_prompt_lookup",)
+"""Baselines left out unless named: llama-cpp-python's prompt lookup writes its logits into a
+buffer of ``n_batch`` rows (``logits_all`` off) and fails once a call's context passes it, as
+every edit's does (``logits_all`` on would hold 16k x 152k floats)."""
 PREDICTED = "+prediction"
 """Suffix of a specagent method that gets the text to edit as the call's prediction."""
 
@@ -159,6 +163,7 @@ def run_edit_bench(
         None if wanted is None else wanted - set(predicted),
         baselines,
         log,
+        unless_named=UNFIT,
     )
     predicted = {n: r for n, r in predicted.items() if wanted is None or n in wanted}
     out = EditBenchResult(

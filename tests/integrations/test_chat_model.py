@@ -296,3 +296,19 @@ def test_the_model_tenant_wins_over_call_metadata(runtime) -> None:
         runtime=runtime, policy="exact", max_tokens=4, tenant="acme", allow_tenant_override=True
     )
     assert cached(routed, metadata={"specagent_tenant": "globex"}) == 0  # globex's own scope
+
+
+def test_a_prediction_per_call_as_chat_openai_takes_it(chat, runtime) -> None:
+    """``prediction`` per call (``ChatOpenAI``'s spelling): the answer is the same, the
+    accepted and rejected prediction tokens come back in the token usage."""
+    expected = chat.invoke(MESSAGES)
+    prediction = {"type": "content", "content": expected.content}
+    message = chat.invoke(MESSAGES, prediction=prediction)
+    assert message.content == expected.content
+    accepted = message.response_metadata["specagent"]["accepted_by_source"].get("prediction", 0)
+    assert accepted > 0
+    result = chat.generate([MESSAGES], prediction=prediction)
+    usage = result.generations[0][0].generation_info["token_usage"]
+    assert usage["completion_tokens_details"]["accepted_prediction_tokens"] == accepted
+    with pytest.raises(ValueError, match="prediction: 'type' must be 'content'"):
+        chat.invoke(MESSAGES, prediction={"type": "text", "content": "x"})

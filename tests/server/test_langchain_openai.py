@@ -79,3 +79,16 @@ def test_a_denied_policy_reaches_langchain_as_an_error(live: Live) -> None:
     )
     with pytest.raises(openai.NotFoundError):  # as if it did not exist: no names learned
         customer.invoke("Hello")
+
+
+def test_a_prediction_through_chat_openai(live: Live) -> None:
+    """``ChatOpenAI``'s per-call ``prediction`` reaches the server: the same answer, and the
+    prediction's accepted tokens in the token usage it reports."""
+    model = chat(live, temperature=0, max_tokens=16)
+    message = model.invoke("Hello world")
+    again = model.invoke(
+        "Hello world", prediction={"type": "content", "content": str(message.content)}
+    )
+    assert again.content == message.content
+    details = again.response_metadata["token_usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0

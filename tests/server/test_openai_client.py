@@ -262,7 +262,12 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
         ({"function_call": "auto"}, "function_call"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"modalities": ["text", "audio"]}, "modalities"),
-        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        # Predicted outputs of a shape OpenAI does not define, or longer than any answer.
+        ({"prediction": {"type": "text", "content": "x"}}, "prediction"),
+        ({"prediction": {"type": "content", "content": 5}}, "prediction"),
+        ({"prediction": {"type": "content", "content": [{"type": "image"}]}}, "prediction"),
+        ({"prediction": "just text"}, "prediction"),
+        ({"prediction": {"type": "content", "content": "x" * 70_000}}, "prediction"),
         # The sub-tenant names the call in audit rows, spans and logs: printable only.
         ({"user": "\u0000"}, "user"),
         ({"user": "a\u001b[31mb"}, "user"),
@@ -530,3 +535,45 @@ def test_a_failing_call_answers_500_without_internal_text(live: Live) -> None:
         assert "RuntimeError" not in message
     finally:
         engine.decode = real
+
+
+def test_predicted_outputs_draft_and_leave_the_answer_as_it_is(live: Live) -> None:
+    """OpenAI's ``prediction``: the answer is the same with it (lossless), and usage reports
+    how many of its tokens were accepted and rejected, as OpenAI's does."""
+    options = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "max_tokens": 24,
+        "temperature": 0,
+        "metadata": {"specagent_policy": "legal-drafting"},
+    }
+    alone = client(live).chat.completions.create(**options)
+    text = alone.choices[0].message.content
+    predicted = client(live).chat.completions.create(
+        **options, prediction={"type": "content", "content": text}
+    )
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    assert details is not None
+    assert details.accepted_prediction_tokens > 0
+    assert details.rejected_prediction_tokens >= 0
+    stats = predicted.model_extra["speculative_decoding_stats"]
+    assert stats["accepted_by_source"]["prediction"] == details.accepted_prediction_tokens
+    # Parts, as the client also sends them; and a wrong prediction changes nothing either.
+    parts = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]
+    wrong = "lorem ipsum " * 20
+    for prediction in (
+        {"type": "content", "content": parts},
+        {"type": "content", "content": wrong},
+    ):
+        again = client(live).chat.completions.create(**options, prediction=prediction)
+        assert again.choices[0].message.content == text
+    streamed = client(live).chat.completions.create(
+        **options,
+        prediction={"type": "content", "content": text},
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
