@@ -327,6 +327,9 @@ class Telemetry:
             }
             for source, accepted in sorted(stats.accepted_by_source.items()):
                 attrs[f"specagent.spec_decode.accepted_tokens.{source}"] = accepted
+            if usage.accepted_prediction_tokens or usage.rejected_prediction_tokens:
+                attrs["specagent.prediction.accepted_tokens"] = usage.accepted_prediction_tokens
+                attrs["specagent.prediction.rejected_tokens"] = usage.rejected_prediction_tokens
             if stats.divergence is not None:
                 attrs["specagent.divergence"] = stats.divergence
                 attrs["specagent.fell_back_to_lossless"] = stats.fell_back_to_lossless

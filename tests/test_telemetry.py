@@ -113,6 +113,24 @@ def test_lossless_call_span_attributes(runtime, otel) -> None:
     assert span.status.status_code == StatusCode.UNSET
 
 
+def test_a_prediction_is_counted_on_the_span_never_recorded(runtime, otel) -> None:
+    """A call's prediction is counted (accepted and rejected tokens), never written out: it
+    is content, and a span records content only where the policy says so (and then only the
+    messages and the answer)."""
+    exporter = otel[0]
+    alone = runtime.generate_sync("Hello", policy="exact", max_new_tokens=12, temperature=0.0)
+    secret = "VAULT-7731 " + alone.text
+    result = runtime.generate_sync(
+        "Hello", policy="exact", max_new_tokens=12, temperature=0.0, prediction=secret
+    )
+    span = exporter.get_finished_spans()[-1]
+    attrs = span.attributes
+    assert attrs["specagent.prediction.accepted_tokens"] == result.usage.accepted_prediction_tokens
+    assert attrs["specagent.prediction.rejected_tokens"] == result.usage.rejected_prediction_tokens
+    assert not any("VAULT" in str(value) for value in attrs.values())
+    assert "specagent.prediction.accepted_tokens" not in exporter.get_finished_spans()[0].attributes
+
+
 def test_relaxed_call_records_divergence_and_allowed_content(runtime, otel) -> None:
     exporter = otel[0]
     result = runtime.generate_sync(

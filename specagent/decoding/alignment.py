@@ -20,6 +20,7 @@ its state is what it saw of one call's context.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ WINDOW = 48
 span, and the text resumes right after it."""
 MAX_MATCH = 8
 """Longest match measured when anchoring (longer ones pin the place no better)."""
+SCAN = 32
+"""Places of a long match read per re-anchoring, at most twice over: the latest and those just
+ahead of the break (a text that repeats a line a thousand times costs no more)."""
 MAX_RULE_SOURCE = 8
 MAX_RULE_OUTPUT = 24
 """A substitution is learned only for a short span replaced by short text (a rename, a changed
@@ -108,6 +112,7 @@ class SpanCopier:
     broke_out: int = 0
     """Context length at that break (what the output wrote instead starts there)."""
     rules: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
+    """Substitutions learned in this call: a source span -> what the output wrote instead."""
     rates: CopyRates = field(default_factory=CopyRates)
     aligned_once: bool = False
     """Whether the output has been aligned with the source at all (before, a prediction
@@ -116,6 +121,9 @@ class SpanCopier:
     seen: int = 0
     """Context tokens synced."""
     _positions: dict[int, list[int]] = field(default_factory=dict)
+    """Each token's places in the source (ascending)."""
+    _grams: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    """Each ``LONG_MATCH``-gram's places (its last token's, ascending)."""
     _indexed: int = 0
     _last_first: _Rate | None = None
     _fresh: bool = False
@@ -178,52 +186,68 @@ class SpanCopier:
         one seen so far grown, as in a drafter reused for another call, starts over)."""
         known = self._indexed
         if len(context) < known or (known and context[known - 1] != self.source[known - 1]):
-            self.source, self._positions, self._indexed = [], {}, 0
+            self.source, self._positions, self._grams, self._indexed = [], {}, {}, 0
             self.seen, self.cursor, self.broke_at, self.run = 0, None, None, 0
             known = 0
         self.source.extend(context[known:])
         self._index(len(self.source))
 
     def _index(self, end: int) -> None:
+        source = self.source
         for i in range(self._indexed, end):
-            self._positions.setdefault(self.source[i], []).append(i)
+            self._positions.setdefault(source[i], []).append(i)
+            if i + 1 >= LONG_MATCH:
+                self._grams.setdefault(tuple(source[i + 1 - LONG_MATCH : i + 1]), []).append(i)
         self._indexed = end
 
     def _anchor(self, context: Sequence[int]) -> None:
         """Re-anchor on the context's tail: a long match anywhere (nearest after the break,
         else the latest), a short one only just ahead of the break; learn what replaced the
-        source's span where the alignment broke."""
+        source's span where the alignment broke. What it reads is bounded whatever the
+        source's size: the places of the tail's last ``LONG_MATCH`` tokens (the latest
+        ``SCAN`` and those just ahead of the break), else those of its last token just ahead
+        of the break."""
         end = len(context)
         if end == 0:
             return
         limit = self._length(end)
-        tail_start = self.broke_out if self.broke_at is not None else 0
-        candidates: list[tuple[int, int]] = []  # (match length, position after the match)
-        for p in self._positions.get(context[end - 1], ()):
-            if p + 1 >= limit:
-                break  # the context's own tail, or past what exists yet
-            n = 1
-            while (
-                n < MAX_MATCH
-                and p - n >= 0
-                and end - 1 - n >= 0
-                and self.source[p - n] == context[end - 1 - n]
-            ):
-                n += 1
-            candidates.append((n, p + 1))
-        if not candidates:
-            return
-        best = self._choose(candidates)
+        broke = self.broke_at
+        found: list[tuple[int, int]] = []
+        if end >= LONG_MATCH:
+            places = self._grams.get(tuple(context[end - LONG_MATCH :]), [])
+            if len(places) > 2 * SCAN:
+                ahead = _between(places, broke, broke + SCAN) if broke is not None else []
+                places = sorted({*places[-SCAN:], *ahead})
+            found = self._matches(places, context, limit)
+        if not found and broke is not None:
+            places = _between(self._positions.get(context[end - 1], []), broke, broke + WINDOW)
+            found = self._matches(places, context, limit)
+        best = self._choose(found) if found else None
         if best is None:
             return
         n, pos = best
-        if (
-            self.broke_at is not None
-            and self.broke_at <= pos - n <= self.broke_at + MAX_RULE_SOURCE
-        ):
-            self._learn_rule(self.broke_at, pos - n, context[tail_start : end - n])
+        if broke is not None and broke <= pos - n <= broke + MAX_RULE_SOURCE:
+            tail_start = self.broke_out
+            self._learn_rule(broke, pos - n, context[tail_start : end - n])
         self.cursor, self.run = _Cursor(pos), n
         self._last_first = self.rates.first[min(n, 4)]
+
+    def _matches(
+        self, places: Sequence[int], context: Sequence[int], limit: int
+    ) -> list[tuple[int, int]]:
+        """For each place ``p`` of the context's last token (before ``limit``): how many tokens
+        the source and the context's tail share up to it (at most ``MAX_MATCH``), and ``p + 1``,
+        where the copy would resume."""
+        end, source = len(context), self.source
+        out = []
+        for p in places:
+            if p + 1 >= limit:
+                break  # the context's own tail, or past what exists yet
+            n = 1
+            while n < MAX_MATCH and p - n >= 0 and source[p - n] == context[end - 1 - n]:
+                n += 1
+            out.append((n, p + 1))
+        return out
 
     def _choose(self, candidates: list[tuple[int, int]]) -> tuple[int, int] | None:
         broke = self.broke_at
@@ -337,3 +361,8 @@ class SpanCopier:
         if accepted >= 1:
             judged = min(accepted + 1, proposed) - 1
             further.add(float(min(accepted - 1, judged)), float(judged))
+
+
+def _between(places: list[int], low: int, high: int) -> list[int]:
+    """The places in ``[low, high]`` (``places`` ascending)."""
+    return places[bisect.bisect_left(places, low) : bisect.bisect_right(places, high)]

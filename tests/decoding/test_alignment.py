@@ -117,6 +117,28 @@ def test_drafts_follow_costs_and_acceptance() -> None:
     assert len(later.tokens) < len(first.tokens)
 
 
+def test_re_anchoring_reads_a_bounded_number_of_places(monkeypatch) -> None:
+    """A source that repeats one line a thousand times: each re-anchoring reads at most the
+    latest places and those just ahead of the break, never every occurrence."""
+    read: list[int] = []
+    original = SpanCopier._matches
+
+    def counting(self, places, context, limit):
+        read.append(len(places))
+        return original(self, places, context, limit)
+
+    monkeypatch.setattr(SpanCopier, "_matches", counting)
+    line = [100, 101, 102, 103, 104, 105]
+    source = line * 1000
+    copier = SpanCopier(list(source), label="prediction")
+    context = [1, 2]
+    for token in [*line, 55, *line[1:], 56, 57, *line]:  # drift in and out of alignment
+        context.append(token)
+        copier.candidate(context, 16, FLAT)
+    assert read
+    assert max(read) <= 2 * 32 + 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("prediction", [[3, 7, 3, 7, 3, 7, 3, 7], [1, 2, 5, 0, 4, 4, 6, 2]])
 def test_a_prediction_keeps_sampling_lossless(engine_pair, prediction) -> None:

@@ -68,7 +68,7 @@ def test_a_prediction_never_reaches_the_history(runtime, tokenizer) -> None:
     history = runtime.history
     assert history is not None
     assert history.stats()["documents"] > 0
-    for index in history._indexes.values():  # noqa: SLF001 - every document it keeps
+    for index in history._indexes.values():  # every document it keeps
         for doc in index.docs.values():
             text = ",".join(map(str, doc))
             assert ",".join(map(str, marker)) not in text
