@@ -128,7 +128,7 @@ def prior_costs(target: Runner, draft: Runner | None) -> CostModel:
 
 # --------------------------------------------------------------------------- measuring
 
-MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)
+MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 """Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
 grid, and always the longest asked for); the ones between are interpolated."""
 Steps = Generator[None, None, Any]

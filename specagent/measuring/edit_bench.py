@@ -56,7 +56,7 @@ def edit_policies(has_draft: bool) -> list[Policy]:
             name="lossless-auto",
             description="edits bench",
             mode="lossless",
-            drafter=AutoConfig(num_speculative_tokens=32, history="call"),
+            drafter=AutoConfig(num_speculative_tokens=64, history="call"),
         ),
         Policy(
             name="lossless-plain",

@@ -184,7 +184,7 @@ class DrafterBlock(BaseModel):
 
     kind: str
     """The name the kind is registered under in ``decoding.registry.DRAFTERS``."""
-    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    num_speculative_tokens: int = Field(default=4, ge=1, le=64)
     """k: the most draft tokens proposed per step."""
 
     @model_validator(mode="before")
