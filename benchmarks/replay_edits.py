@@ -1,0 +1,193 @@
+"""Replay the edits of ``specagent bench --workload edits`` against an oracle output, on a
+machine's verify curve: how many single-token target steps each drafting rule needs, without
+the host's drift, and on the curve of a machine kind this host is not.
+
+    python benchmarks/replay_edits.py --curve zen4 --out benchmarks/results/replay-edits_zen4.json
+    python benchmarks/replay_edits.py --curve xeon-amx
+
+The oracle output of a task is its expected text in a code fence (what the model returns when it
+applies the edit as asked; the bench checks how often it does). In greedy lossless decoding the
+target's verdict on a draft depends only on the output it would produce, so a replay takes the
+steps a real run takes. Rules replayed, each over the task's rendered prompt:
+
+- ``plain``: one step per token;
+- ``specagent``: the ``suffix`` drafter as ``auto`` runs it without a draft model (n-gram match
+  and aligned copying of the call's own text, lengths by expected tokens per unit of cost on the
+  curve, k = 64), and again with the text to edit (the rewrite: the expected text) as the
+  call's prediction;
+- ``ngram_mod``: llama.cpp's ``ngram-mod`` as llama-server runs it (a hash of every 24-token
+  window of the prompt and output to the token after it, the output's windows added 32 tokens
+  at a time; a draft chains the table from the last 24 tokens, 48 to 64 tokens or none; three
+  drafts in a row under half accepted reset the table).
+
+Curves, in single-token steps per forward of n rows: ``zen4``, this project's measured curve of
+the llama.cpp engine for Qwen2.5-Coder-1.5B Q4_K_M on the Zen 4 (read from this machine's probe
+store when it is that machine, else the copy below); ``xeon-amx``, the Xeon's measured points
+(2 rows 1.39, 4 rows 2.08, 8 rows 3.23, 16 rows 3.41, 32 rows about 3.7; linear between, past 32
+extrapolated from 16-32). Prefills are left out (every rule pays the same one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import itertools
+
+from specagent.catalog import resolve_model
+from specagent.chat import render_prompt
+from specagent.decoding.costs import CostModel
+from specagent.decoding.drafters.suffix import SuffixDrafter
+from specagent.machine import machine_info
+from specagent.measuring.edit_tasks import EditTask, edit_tasks, rewrite_task
+
+ZEN4 = (
+    1.0, 1.29, 1.9, 2.44, 3.93, 3.48, 4.17, 6.29, 6.83, 7.37, 7.91, 8.45, 8.15, 7.84, 7.54,
+    7.24, 7.29, 7.35, 7.4, 7.45, 7.5, 7.56, 7.61, 7.66, 7.75, 7.84, 7.92, 8.01, 8.1, 8.18,
+    8.27, 8.36, 9.49,
+)  # fmt: skip
+"""The llama.cpp engine's measured verify curve (1-33 rows), Qwen2.5-Coder-1.5B Q4_K_M, Zen 4."""
+XEON_POINTS = {1: 1.0, 2: 1.39, 4: 2.08, 8: 3.23, 16: 3.41, 32: 3.7}
+K = 64
+NGRAM_N, NGRAM_MIN, NGRAM_MAX = 24, 48, 64
+
+
+def curve(name: str) -> CostModel:
+    if name == "xeon-amx":
+        points = sorted(XEON_POINTS.items())
+        slope = (XEON_POINTS[32] - XEON_POINTS[16]) / 16
+        values = []
+        for n in range(1, K + 2):
+            if n >= 32:
+                values.append(XEON_POINTS[32] + slope * (n - 32))
+                continue
+            (a, ca), (b, cb) = next(
+                (p, q) for p, q in itertools.pairwise(points) if p[0] <= n <= q[0]
+            )
+            values.append(ca + (cb - ca) * (n - a) / (b - a))
+        return CostModel(verify=tuple(values))
+    # Past 33 rows: the slope of 17-33.
+    slope = (ZEN4[32] - ZEN4[16]) / 16
+    return CostModel(verify=ZEN4 + tuple(ZEN4[32] + slope * i for i in range(1, K - 31)))
+
+
+def specagent_steps(
+    prompt: list[int], output: list[int], costs: CostModel, prediction: Sequence[int] = ()
+) -> tuple[int, float]:
+    drafter = SuffixDrafter(costs=costs, prediction=prediction)
+    context, done, steps, spent = list(prompt), 0, 0, 0.0
+    while done < len(output):
+        found, rate = drafter.candidate(context, min(K, len(output) - done))
+        tokens = drafter.take(found, None).tokens if found.tokens and rate >= 1.0 else []
+        accepted = _accepted(tokens, output, done)
+        drafter.observe(len(tokens), accepted)
+        emitted = min(accepted + 1, len(output) - done)
+        context += output[done : done + emitted]
+        done += emitted
+        steps += 1
+        spent += costs.verify_cost(len(tokens) + 1)
+    return steps, spent
+
+
+def ngram_mod_steps(prompt: list[int], output: list[int], costs: CostModel) -> tuple[int, float]:
+    table: dict[tuple[int, ...], int] = {}
+    for i in range(len(prompt) - NGRAM_N):
+        table[tuple(prompt[i : i + NGRAM_N])] = prompt[i + NGRAM_N]
+    added = len(prompt) - NGRAM_N
+    context, done, steps, spent, low = list(prompt), 0, 0, 0.0, 0
+    while done < len(output):
+        # llama-server drafts after the first token of the step's output is known: the
+        # context here ends with it (the previous step's last token).
+        if added + 32 < len(context):
+            for i in range(added, len(context) - NGRAM_N):
+                table[tuple(context[i : i + NGRAM_N])] = context[i + NGRAM_N]
+            added = len(context) - NGRAM_N
+        window = list(context[-NGRAM_N:])
+        draft: list[int] = []
+        while len(draft) < NGRAM_MAX:
+            token = table.get(tuple(window[-NGRAM_N:]))
+            if token is None:
+                break
+            draft.append(token)
+            window.append(token)
+        if len(draft) < NGRAM_MIN:
+            draft = []
+        draft = draft[: len(output) - done]
+        accepted = _accepted(draft, output, done)
+        if draft:
+            low = low + 1 if accepted < len(draft) / 2 else 0
+            if low >= 3:
+                table, low = {}, 0
+        emitted = min(accepted + 1, len(output) - done)
+        context += output[done : done + emitted]
+        done += emitted
+        steps += 1
+        spent += costs.verify_cost(len(draft) + 1)
+    return steps, spent
+
+
+def _accepted(draft: Sequence[int], output: Sequence[int], done: int) -> int:
+    n = 0
+    while n < len(draft) and done + n < len(output) and draft[n] == output[done + n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--curve", choices=["zen4", "xeon-amx"], default="zen4")
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.target))
+    costs = curve(args.curve)
+    rows: dict[str, dict[str, float]] = {}
+    tasks: list[EditTask] = [*edit_tasks(), rewrite_task()]
+    for task in tasks:
+        prompt = render_prompt(task.messages(), tokenizer, vocab_size=len(tokenizer))
+        fenced = f"```{task.language if task.kind != 'rewrite' else 'yaml'}\n{task.expected}\n```"
+        output = list(tokenizer(fenced, add_special_tokens=False)["input_ids"])
+        prediction = list(tokenizer(task.prediction, add_special_tokens=False)["input_ids"])
+        mine = specagent_steps(prompt, output, costs)
+        predicted = specagent_steps(prompt, output, costs, prediction)
+        theirs = ngram_mod_steps(prompt, output, costs)
+        rows[task.id] = {
+            "tokens": len(output),
+            "plain": float(len(output)),
+            "ngram_mod": round(theirs[1], 2),
+            "specagent": round(mine[1], 2),
+            "specagent+prediction": round(predicted[1], 2),
+        }
+    totals = {
+        m: sum(r[m] for r in rows.values())
+        for m in ("plain", "ngram_mod", "specagent", "specagent+prediction")
+    }
+    summary = {
+        "speedup_vs_plain": {m: round(totals["plain"] / t, 3) for m, t in totals.items()},
+        "specagent_vs_ngram_mod": round(totals["ngram_mod"] / totals["specagent"], 3),
+        "specagent+prediction_vs_ngram_mod": round(
+            totals["ngram_mod"] / totals["specagent+prediction"], 3
+        ),
+    }
+    result = {
+        "curve": args.curve,
+        "verify_curve": list(costs.verify),
+        "target": args.target,
+        "machine": machine_info(),
+        "summary": summary,
+        "tasks": rows,
+    }
+    print(json.dumps(summary, indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
