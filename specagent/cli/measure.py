@@ -81,7 +81,7 @@ def _prompts(runtime: Any, args: argparse.Namespace, *, stem: str, **options: An
 
     result = run_bench(runtime, repeats=args.repeats, methods=args.methods, **options)
     print(json.dumps(result.summary, indent=1))
-    return list(save(result, args.out, stem))
+    return save(result, args.out, stem, chart=args.chart)
 
 
 def _agent(runtime: Any, args: argparse.Namespace, *, stem: str, **options: Any) -> list[Path]:
@@ -89,7 +89,7 @@ def _agent(runtime: Any, args: argparse.Namespace, *, stem: str, **options: Any)
 
     outcome = run_agent_bench(runtime, repeats=args.repeats, methods=args.methods, **options)
     print(json.dumps(outcome.summary, indent=1))
-    return list(save_agent_bench(outcome, args.out, stem))
+    return save_agent_bench(outcome, args.out, stem, chart=args.chart)
 
 
 def _edits(runtime: Any, args: argparse.Namespace, *, stem: str, **options: Any) -> list[Path]:

@@ -145,7 +145,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--out", type=Path, default=Path("benchmarks/results"), help="directory for the results"
     )
-    bench.add_argument("--name", default=None, help="file stem for the JSON and PNG results")
+    bench.add_argument("--name", default=None, help="file stem for the results")
+    bench.add_argument(
+        "--chart",
+        action="store_true",
+        help="prompts and agent: a PNG chart beside the JSON (results kept in the repository "
+        "are the JSON alone)",
+    )
     bench.add_argument(
         "--dtype",
         default="auto",

@@ -400,16 +400,21 @@ def _summarise(
     return summary
 
 
-def save_agent_bench(result: AgentBenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
-    """JSON, and a PNG of each method's speed-up over plain per episode."""
+def save_agent_bench(
+    result: AgentBenchResult, out_dir: Path, stem: str, chart: bool = True
+) -> list[Path]:
+    """JSON, and (``chart``) a PNG of each method's speed-up over plain per episode; the paths
+    written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
+    json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    if not chart:
+        return [json_path]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
-    json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
     speedups = result.summary["speedup_vs_plain"]
     methods = [m for m in speedups if m != "plain"]
     names = list(result.episodes)
@@ -436,4 +441,4 @@ def save_agent_bench(result: AgentBenchResult, out_dir: Path, stem: str) -> tupl
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
-    return json_path, png_path
+    return [json_path, png_path]

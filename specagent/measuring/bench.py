@@ -378,9 +378,12 @@ def write_chart(result: BenchResult, path: Path) -> None:
     plt.close(fig)
 
 
-def save(result: BenchResult, out_dir: Path, stem: str) -> tuple[Path, Path]:
+def save(result: BenchResult, out_dir: Path, stem: str, chart: bool = True) -> list[Path]:
+    """The JSON and (``chart``) a PNG of it; the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    if not chart:
+        return [json_path]
     write_chart(result, png_path)
-    return json_path, png_path
+    return [json_path, png_path]
