@@ -2,8 +2,8 @@
 machine's verify curve: how many single-token target steps each drafting rule needs, without
 the host's drift, and on the curve of a machine kind this host is not.
 
-    python benchmarks/replay_edits.py --curve zen4 --out benchmarks/results/replay-edits_zen4.json
-    python benchmarks/replay_edits.py --curve xeon-amx
+    python benchmarks/replay_edits.py \
+        --out benchmarks/results/replay-edits_qwen2.5-coder-1.5b-instruct.json
 
 The oracle output of a task is its expected text in a code fence (what the model returns when it
 applies the edit as asked; the bench checks how often it does). In greedy lossless decoding the
@@ -20,9 +20,9 @@ steps a real run takes. Rules replayed, each over the task's rendered prompt:
   at a time; a draft chains the table from the last 24 tokens, 48 to 64 tokens or none; three
   drafts in a row under half accepted reset the table).
 
-Curves, in single-token steps per forward of n rows: ``zen4``, this project's measured curve of
-the llama.cpp engine for Qwen2.5-Coder-1.5B Q4_K_M on the Zen 4 (read from this machine's probe
-store when it is that machine, else the copy below); ``xeon-amx``, the Xeon's measured points
+Curves, in single-token steps per forward of n rows: ``zen4``, the llama.cpp engine's curve for
+Qwen2.5-Coder-1.5B Q4_K_M as the cost book measured it on the Zen 4 (32 tokens of context; past
+33 rows extrapolated from 17-33); ``xeon-amx``, the Xeon's measured points
 (2 rows 1.39, 4 rows 2.08, 8 rows 3.23, 16 rows 3.41, 32 rows about 3.7; linear between, past 32
 extrapolated from 16-32). Prefills are left out (every rule pays the same one).
 """
@@ -34,6 +34,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -138,37 +139,24 @@ def _accepted(draft: Sequence[int], output: Sequence[int], done: int) -> int:
     return n
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--curve", choices=["zen4", "xeon-amx"], default="zen4")
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.target))
-    costs = curve(args.curve)
+def replay(tasks: list[EditTask], tokenizer: Any, costs: CostModel) -> dict[str, Any]:
+    """Every rule over every task on one curve: single-token steps per task, and totals."""
     rows: dict[str, dict[str, float]] = {}
-    tasks: list[EditTask] = [*edit_tasks(), rewrite_task()]
     for task in tasks:
         prompt = render_prompt(task.messages(), tokenizer, vocab_size=len(tokenizer))
-        fenced = f"```{task.language if task.kind != 'rewrite' else 'yaml'}\n{task.expected}\n```"
+        fence = "yaml" if task.kind == "rewrite" else task.language
+        fenced = f"```{fence}\n{task.expected}\n```"
         output = list(tokenizer(fenced, add_special_tokens=False)["input_ids"])
         prediction = list(tokenizer(task.prediction, add_special_tokens=False)["input_ids"])
-        mine = specagent_steps(prompt, output, costs)
-        predicted = specagent_steps(prompt, output, costs, prediction)
-        theirs = ngram_mod_steps(prompt, output, costs)
         rows[task.id] = {
             "tokens": len(output),
             "plain": float(len(output)),
-            "ngram_mod": round(theirs[1], 2),
-            "specagent": round(mine[1], 2),
-            "specagent+prediction": round(predicted[1], 2),
+            "ngram_mod": round(ngram_mod_steps(prompt, output, costs)[1], 2),
+            "specagent": round(specagent_steps(prompt, output, costs)[1], 2),
+            "specagent+prediction": round(specagent_steps(prompt, output, costs, prediction)[1], 2),
         }
-    totals = {
-        m: sum(r[m] for r in rows.values())
-        for m in ("plain", "ngram_mod", "specagent", "specagent+prediction")
-    }
+    methods = ("plain", "ngram_mod", "specagent", "specagent+prediction")
+    totals = {m: sum(r[m] for r in rows.values()) for m in methods}
     summary = {
         "speedup_vs_plain": {m: round(totals["plain"] / t, 3) for m, t in totals.items()},
         "specagent_vs_ngram_mod": round(totals["ngram_mod"] / totals["specagent"], 3),
@@ -176,15 +164,26 @@ def main() -> None:
             totals["ngram_mod"] / totals["specagent+prediction"], 3
         ),
     }
-    result = {
-        "curve": args.curve,
-        "verify_curve": list(costs.verify),
-        "target": args.target,
-        "machine": machine_info(),
-        "summary": summary,
-        "tasks": rows,
-    }
-    print(json.dumps(summary, indent=1))
+    return {"verify_curve": [round(v, 3) for v in costs.verify], "summary": summary, "tasks": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--curves", nargs="+", choices=["zen4", "xeon-amx"], default=["zen4", "xeon-amx"]
+    )
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.target))
+    tasks: list[EditTask] = [*edit_tasks(), rewrite_task()]
+    replays = {}
+    for name in args.curves:
+        replays[name] = replay(tasks, tokenizer, curve(name))
+        print(name, json.dumps(replays[name]["summary"], indent=1))
+    result = {"target": args.target, "machine": machine_info(), "curves": replays}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
