@@ -143,3 +143,20 @@ def live(tokenizer, key_file: Path) -> Iterator[Live]:
     with serving(app) as url:
         yield Live(url, runtime, app, spans, "tiny")
     runtime.close()
+
+
+def spelled_reply(live: Live, max_tokens: int) -> str:
+    """A prompt whose greedy reply (``max_tokens``) starts with text that tokenizes back to
+    the same tokens (its first 4): the tiny model's replies are random bytes, and a reply that
+    is not UTF-8 text cannot be given back as text (a predicted output, say) token for
+    token."""
+    tokenizer = live.runtime.tokenizer
+    for n in range(200):
+        prompt = f"Say something, number {n}."
+        reply = live.runtime.generate_sync(
+            [{"role": "user", "content": prompt}], max_new_tokens=max_tokens, temperature=0.0
+        )
+        spelled = tokenizer(reply.text, add_special_tokens=False)["input_ids"]
+        if len(reply.token_ids) >= 4 and spelled[:4] == reply.token_ids[:4]:
+            return prompt
+    raise AssertionError("no prompt of 200 has a reply that spells back to its tokens")

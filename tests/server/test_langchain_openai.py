@@ -7,7 +7,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
-from live_server import KEYS, Live, key_file, live  # fixtures by name
+from live_server import KEYS, Live, key_file, live, spelled_reply  # fixtures by name
 from pydantic import BaseModel, Field
 
 
@@ -84,11 +84,10 @@ def test_a_denied_policy_reaches_langchain_as_an_error(live: Live) -> None:
 def test_a_prediction_through_chat_openai(live: Live) -> None:
     """``ChatOpenAI``'s per-call ``prediction`` reaches the server: the same answer, and the
     prediction's accepted tokens in the token usage it reports."""
+    prompt = spelled_reply(live, 16)
     model = chat(live, temperature=0, max_tokens=16)
-    message = model.invoke("Hello world")
-    again = model.invoke(
-        "Hello world", prediction={"type": "content", "content": str(message.content)}
-    )
+    message = model.invoke(prompt)
+    again = model.invoke(prompt, prediction={"type": "content", "content": str(message.content)})
     assert again.content == message.content
     details = again.response_metadata["token_usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import KEYS, Live, key_file, live, sync_client  # fixtures by name
+from live_server import KEYS, Live, key_file, live, spelled_reply, sync_client  # fixtures by name
 
 MESSAGES = [{"role": "user", "content": "Hello world"}]
 WEATHER = {
@@ -542,7 +542,7 @@ def test_predicted_outputs_draft_and_leave_the_answer_as_it_is(live: Live) -> No
     how many of its tokens were accepted and rejected, as OpenAI's does."""
     options = {
         "model": "tiny",
-        "messages": MESSAGES,
+        "messages": [{"role": "user", "content": spelled_reply(live, 24)}],
         "max_tokens": 24,
         "temperature": 0,
         "metadata": {"specagent_policy": "legal-drafting"},
