@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..chat import render_prompt
 from ..machine import machine_info
@@ -102,7 +102,12 @@ class EditBenchResult:
         return data
 
 
-Predicted = Callable[[list[int], int, str], tuple[list[int], Any]]
+class Predicted(Protocol):
+    """A specagent method: the bench's ``Method``, and the same with a prediction."""
+
+    def __call__(
+        self, ids: list[int], seed: int, prediction: str | None = None
+    ) -> tuple[list[int], Any]: ...
 
 
 def _spec(runtime: SpecRuntime, policy: str, max_new_tokens: int) -> Predicted:
