@@ -24,7 +24,7 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .costs import CostModel, most_per_cost
+from .costs import CostModel, chained_gains, draft_length
 from .history import Continuation
 
 __all__ = ["CopyRates", "SpanCopier"]
@@ -338,21 +338,10 @@ class SpanCopier:
         fresh = self.run < LONG_MATCH and self._last_first is not None
         further = self.rates.further
         chance = self._last_first.chance if fresh and self._last_first else further.chance
-        gains, confidences = [1.0], []
-        reach = 1.0
-        for i in range(len(tokens)):
-            p = chance if i == 0 else further.chance
-            confidences.append(p)
-            reach *= p
-            gains.append(gains[-1] + reach)
-        step_costs = [
-            costs.verify_cost(n + 1) + (after(gain) if after is not None else 0.0)
-            for n, gain in enumerate(gains)
-        ]
-        length = most_per_cost(gains, step_costs)
-        kept = Continuation(tokens[:length], confidences[:length], self.run)
+        confidences = [chance] + [further.chance] * (len(tokens) - 1)
+        length, rate = draft_length(chained_gains(confidences), costs, after)
         self._fresh = fresh
-        return kept, gains[length] / step_costs[length]
+        return Continuation(tokens[:length], confidences[:length], self.run), rate
 
     def observe(self, proposed: int, accepted: int) -> None:
         """The target judged the last proposal (its first ``accepted`` tokens kept)."""

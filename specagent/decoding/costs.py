@@ -29,6 +29,8 @@ __all__ = [
     "CostBook",
     "CostModel",
     "SettlesNothing",
+    "chained_gains",
+    "draft_length",
     "expected_tokens",
     "forward_timer",
     "interpolate_costs",
@@ -98,6 +100,31 @@ def expected_tokens(acceptance: float, k: int) -> float:
     """Expected tokens per verification with per-token acceptance a and k draft tokens."""
     a = min(max(acceptance, 0.0), 0.999999)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def chained_gains(chances: Iterable[float], start: float = 1.0, reach: float = 1.0) -> list[float]:
+    """Expected tokens of a step after each further draft token: ``start``, then each token
+    adds the chance that it and every token before it are accepted (``reach`` times their
+    ``chances``)."""
+    gains, chance = [start], reach
+    for p in chances:
+        chance *= p
+        gains.append(gains[-1] + chance)
+    return gains
+
+
+def draft_length(
+    gains: Sequence[float], costs: CostModel, after: Callable[[float], float] | None = None
+) -> tuple[int, float]:
+    """How many draft tokens to keep (an index of ``gains``) for the most expected tokens per
+    unit of the step's cost, verifying them after the context's last token plus ``after(gain)``
+    (what emitting that many tokens costs later), and that rate."""
+    step_costs = [
+        costs.verify_cost(n + 1) + (after(gain) if after is not None else 0.0)
+        for n, gain in enumerate(gains)
+    ]
+    length = most_per_cost(gains, step_costs)
+    return length, gains[length] / step_costs[length]
 
 
 def most_per_cost(gains: Sequence[float], costs: Sequence[float], margin: float = 1.0) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..alignment import CopyRates, SpanCopier
-from ..costs import CostModel, most_per_cost
+from ..costs import CostModel, chained_gains, draft_length, most_per_cost
 from ..history import Continuation, SuffixIndex, continuation, runner_up
 from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
 from ..sampling import SamplingParams
@@ -122,13 +122,9 @@ class SuffixDrafter(Drafter):
         found = continuation(self._indexes(), context, limit)
         if not found.tokens:
             return found, 0.0
-        gains = self.gains(found.confidences)
-        costs = [self.costs.verify_cost(n + 1) for n in range(len(gains))]
-        if after is not None:
-            costs = [cost + after(gain) for cost, gain in zip(costs, gains, strict=True)]
-        length = most_per_cost(gains, costs)
+        length, rate = draft_length(self.gains(found.confidences), self.costs, after)
         kept = Continuation(found.tokens[:length], found.confidences[:length], found.match_length)
-        return kept, gains[length] / costs[length]
+        return kept, rate
 
     def _indexes(self) -> list[SuffixIndex]:
         return [self.own, *self.shared] if self.own is not None else self.shared
@@ -182,11 +178,7 @@ class SuffixDrafter(Drafter):
         token adds the chance that it and those before it are accepted (``reach`` times their
         calibrated vote shares, each capped below 1)."""
         calibration = self.calibration()
-        gains, chance = [start], reach
-        for confidence in confidences:
-            chance *= min(confidence * calibration, 0.999)
-            gains.append(gains[-1] + chance)
-        return gains
+        return chained_gains((min(c * calibration, 0.999) for c in confidences), start, reach)
 
     def calibration(self) -> float:
         """What the target accepted of earlier history drafts per unit of their vote share."""
