@@ -71,16 +71,20 @@ def prediction_ids(
 ) -> list[int]:
     """A call's predicted output as token ids (text spelled as ordinary text: a control token's
     spelling in it stays text); refused, naming ``prediction``, where it is not text or token
-    ids, holds ids outside the vocabulary, or is longer than the context window (text past
-    ``CHARS_PER_TOKEN_BOUND`` characters a token is refused before it is tokenized)."""
+    ids, holds ids outside the vocabulary, or is longer than the context window (text is
+    counted first as a prompt's is, ``_refuse_past``: a flood is refused after about a
+    window's tokens, never tokenized whole)."""
     if prediction is None:
         return []
     bound = max_tokens if max_tokens is not None else PREDICTION_TOKENS
     if isinstance(prediction, str):
-        if len(prediction) > bound * CHARS_PER_TOKEN_BOUND:
+        tok = _need_tokenizer(tokenizer, "a text prediction")
+        try:
+            _refuse_past([prediction], tok, bound)
+        except ContextLengthError:
             msg = f"prediction: {len(prediction)} characters; at most {bound} tokens fit"
-            raise InvalidRequestError(msg)
-        ids = _spell(_need_tokenizer(tokenizer, "a text prediction"), prediction)
+            raise InvalidRequestError(msg) from None
+        ids = _spell(tok, prediction)
     elif isinstance(prediction, Sequence) and all(
         isinstance(x, int) and not isinstance(x, bool) for x in prediction
     ):
@@ -100,9 +104,6 @@ def prediction_ids(
 
 PREDICTION_TOKENS = 32768
 """The longest prediction where the model declares no context window."""
-CHARS_PER_TOKEN_BOUND = 16
-"""No tokenizer spends fewer than one token on 16 characters of text: longer text is refused
-uncounted."""
 
 COUNT_CHUNK_CHARS = 16384
 """Text is counted this many characters at a time (cut at a space), so counting stops soon
