@@ -12,11 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 
 from ..machine import ProbeStore
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from ..decoding.engine import Runner
@@ -112,6 +114,12 @@ class EngineModel(ABC):
         """The KV positions all calls on this model may hold together where they share one
         pool (``capabilities.shared_kv``); None where each call's KV is its own."""
         return None
+
+    def compute(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (a worker's round of steps: the forwards and the torch operations on
+        their logits) where this engine computes best: inline here. llama.cpp runs every
+        round of the process on one thread (``engines.llama_cpp.compute_thread``)."""
+        return work()
 
     def add_evictor(self, evict: Callable[[], bool]) -> None:
         """Where the model runs short of room for a new sequence, call ``evict`` (kept

@@ -74,24 +74,32 @@ def llama_cpp_baselines(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, 
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
+    from ..engines.llama_cpp import on_compute_thread
+
     model = runtime.target
     eos = set(runtime.eos_token_ids)
 
     def load(**options: Any) -> Any:
         with _extra_buffer_types(model.fast_paths.enabled("repack")):
-            return Llama(
-                model_path=str(model.path),
-                n_ctx=min(model.context_tokens, 16384),
-                n_threads=model.threads,
-                n_threads_batch=model.threads,
-                n_batch=model.batch_tokens,
-                flash_attn=model.flash_attention,
-                verbose=False,
-                **options,
+            return on_compute_thread(
+                lambda: Llama(
+                    model_path=str(model.path),
+                    n_ctx=min(model.context_tokens, 16384),
+                    n_threads=model.threads,
+                    n_threads_batch=model.threads,
+                    n_batch=model.batch_tokens,
+                    flash_attn=model.flash_attention,
+                    verbose=False,
+                    **options,
+                )
             )
 
     def greedy(llm: Any) -> Method:
         def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
+            # On the thread that runs the engine's forwards: one OpenMP team for both.
+            return on_compute_thread(decode, ids)
+
+        def decode(ids: list[int]) -> tuple[list[int], Any]:
             out: list[int] = []
             for token in llm.generate(
                 ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True

@@ -390,6 +390,7 @@ class SpecRuntime(Backend):
                     background=self._decoder.background(self.tokenizer, list(self.policies)),
                     kv_budget=self._decoder.kv_budget(),
                     need=self._decoder.kv_need,
+                    compute=self._decoder.compute,
                 )
             return self._worker
 

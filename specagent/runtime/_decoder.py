@@ -141,6 +141,10 @@ class Decoder:
         known = [b for b in budgets if b is not None]
         return min(known) if known else None
 
+    def compute(self, work: Callable[[], None]) -> None:
+        """Run a worker's round where the target's engine computes (``EngineModel.compute``)."""
+        self.target.compute(work)
+
     def kv_need(self, request: Request) -> int:
         """What a call may come to hold of the KV: its prompt, its new tokens and its longest
         draft. A reproducible call counts as much though its KV may be a context of its own

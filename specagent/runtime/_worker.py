@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -137,6 +138,7 @@ class Worker:
         background: Generator[None, None, None] | None = None,
         kv_budget: int | None = None,
         need: Callable[[Any], int] | None = None,
+        compute: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self.decode = decode
         self.max_active = max_active
@@ -147,6 +149,9 @@ class Worker:
         """The KV positions a call may come to hold (its prompt, its budget of new tokens and
         its longest draft)."""
         self.reserved = 0
+        self.compute = compute or (lambda work: work())
+        """Where each round of steps runs (the engine's ``compute``: inline, or the thread
+        that runs every llama.cpp forward of the process)."""
         self.max_queue = max_queue
         self.batching = batching
         self.background = background
@@ -218,13 +223,7 @@ class Worker:
                         job.reserved = self.need(job.request)
                         self.reserved += job.reserved
                         starting.append(job)
-                for job in starting:
-                    if self.background is not None and job.alone:
-                        self.waiting.append(job)
-                    else:
-                        self._start(job)
-                self._step_all()
-                self._background_slice()
+                self.compute(functools.partial(self._round, starting))
         except BaseException as exc:  # a bug in the worker itself: fail everyone, say why
             self._fail_all(GenerationError(f"the runtime worker stopped: {exc!r}"))
             raise
@@ -232,6 +231,17 @@ class Worker:
             if self.background is not None:
                 self.background.close()  # unfinished: a later worker measures the rest
                 self.background = None
+
+    def _round(self, starting: list[Job]) -> None:
+        """Start the calls taken from the inbox, step every active call once, then a slice
+        of the background work."""
+        for job in starting:
+            if self.background is not None and job.alone:
+                self.waiting.append(job)
+            else:
+                self._start(job)
+        self._step_all()
+        self._background_slice()
 
     def _fits(self, job: Job, starting: bool) -> bool:
         """Whether the call at the head of the queue may start: the KV it may come to hold

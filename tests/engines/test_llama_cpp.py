@@ -369,6 +369,49 @@ def test_runtimes_sharing_one_model_step_on_their_own_threads(gguf_file, tokeniz
         first.close()
 
 
+def test_every_forward_of_the_process_runs_on_one_thread(gguf_file, tokenizer, monkeypatch) -> None:
+    """OpenMP keeps a thread team per thread that computes, and a second team stops libgomp
+    spinning between regions (every step then pays for waking threads: 34 -> 48 ms a token on
+    a 2-core Zen 4). So two runtimes' workers, a forward asked from the test's own thread and
+    the runtimes' rounds (the torch operations on the logits: torch and ggml share one
+    libgomp) all run on one thread; an error raised there reaches the caller."""
+    model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=24, threads=1)
+    decoding: set[int] = set()
+    rounds: set[int] = set()
+    decode = llama_cpp.llama_decode
+
+    def recorded(*args):
+        decoding.add(threading.get_ident())
+        return decode(*args)
+
+    monkeypatch.setattr(model._lib, "llama_decode", recorded)
+    first = SpecRuntime(
+        model, tokenizer=tokenizer, policies=[LOOKUP, PLAIN], probe_store=PinnedCosts()
+    )
+    second = first.with_policies([LOOKUP, PLAIN])
+    try:
+        for rt in (first, second):
+            work = rt._ensure_worker()._round
+            monkeypatch.setattr(
+                rt._worker, "_round", lambda s, w=work: (rounds.add(threading.get_ident()), w(s))
+            )
+        ids = tokenizer.encode(TEXTS[0])
+        runner = model.runner()
+        runner.forward(ids, runner.new_cache())
+        for rt in (first, second):
+            for policy in ("lookup", "plain"):
+                rt.generate_sync(ids, policy=policy, max_new_tokens=8)
+        assert len(decoding) == 1, decoding
+        assert decoding == rounds
+        assert threading.get_ident() not in decoding
+        own = model.private_sequence(8)
+        with pytest.raises(GenerationError, match="no room in the call's own KV"):
+            runner.forward(list(range(1, 300)), own)
+    finally:
+        second.close()
+        first.close()
+
+
 def _drafting_run(model: LlamaCppModel, seq, others: bool) -> list:
     """A call's forwards (a prompt, then drafts of 5 with 3 rejected each time), optionally
     while other sequences come, go and leave holes in the shared pool."""

@@ -151,6 +151,8 @@ def test_a_tenant_never_reads_another_tenants_prefix_or_history(models, tokenize
     text = [{"role": "user", "content": "Repeat after me: the parcel ships on Friday. " * 4}]
     rt = _runtime(models, tokenizer)
     try:
+        # Both runtimes plan with the same (pinned) costs, not with the prior meanwhile.
+        assert rt.wait_measured(timeout=60)
         first = rt.generate_sync(text, policy="tenant-lookup", tenant="acme")
         same = rt.generate_sync(text, policy="tenant-lookup", tenant="acme")
         other = rt.generate_sync(text, policy="tenant-lookup", tenant="globex")
@@ -159,6 +161,7 @@ def test_a_tenant_never_reads_another_tenants_prefix_or_history(models, tokenize
         rt.close()
     fresh_rt = _runtime(models, tokenizer)
     try:
+        assert fresh_rt.wait_measured(timeout=60)
         fresh = fresh_rt.generate_sync(text, policy="tenant-lookup", tenant="globex")
     finally:
         fresh_rt.close()

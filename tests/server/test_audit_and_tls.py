@@ -46,7 +46,8 @@ def test_every_call_is_one_row_with_its_status_and_key_name(runtime, key_file, t
     store = AuditStore(f"sqlite:///{tmp_path / 'audit.sqlite'}")
     keys = KeyStore.load(key_file, env="")
     app = create_app(runtime, keys, ServerOptions(audit=store, max_body_bytes=4096))
-    body = {"model": "tiny:customer-reply", "messages": MESSAGES, "max_tokens": 3}
+    # Greedy: the policy samples, and a sampled end-of-text first would leave 0 tokens.
+    body = {"model": "tiny:customer-reply", "messages": MESSAGES, "max_tokens": 3, "temperature": 0}
     with serving(app) as url:
         statuses = [
             _post(url, KEYS["full"], body).status_code,  # 200

@@ -18,11 +18,14 @@ Before the model loads, the fast paths llama.cpp would turn on by itself (weight
 flash attention) are proven in a child process on this machine (``probe``): one that crashes
 or computes other logits there stays off, and ``LlamaCppModel.fast_paths`` says why.
 
-Every call of a model's context happens on the runtime's worker thread. A sequence that is
-dropped elsewhere (the garbage collector runs anywhere) is only queued, and its id is freed by
-the next call on the worker.
+Every forward of the process runs on one thread (``on_compute_thread``): OpenMP keeps a
+thread team per calling thread, and a second team makes every step pay for waking threads.
+Memory operations (removing, copying sequences) run on the runtime's worker under the model's
+lock. A sequence that is dropped elsewhere (the garbage collector runs anywhere) is only
+queued, and its id is freed by the next call on the worker.
 """
 
+from .compute_thread import run as on_compute_thread
 from .library import available, build_info, default_threads
 from .loading import check_vocabulary
 from .model import LlamaCppModel, LlamaCppRunner
@@ -40,4 +43,5 @@ __all__ = [
     "build_info",
     "check_vocabulary",
     "default_threads",
+    "on_compute_thread",
 ]

@@ -10,7 +10,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from ...decoding.engine import Tokens, align_vocab, token_list
 from ...errors import GenerationError, ModelLoadError
 from ...machine import ProbeStore
 from ..base import Capabilities, EngineModel, RunnerNeeds
+from . import compute_thread
 from .library import default_threads, library
 from .probe import FastPaths, Switch, choose_fast_paths
 from .sequences import LlamaSequence, _Context
@@ -27,6 +28,7 @@ from .sequences import LlamaSequence, _Context
 __all__ = ["LlamaCppModel", "LlamaCppRunner"]
 
 ENGINE = "llama.cpp"
+T = TypeVar("T")
 
 
 SPARE_CONTEXTS = 4
@@ -183,6 +185,11 @@ class LlamaCppModel(EngineModel):
 
     # ------------------------------------------------------------------ sequences
 
+    def compute(self, work: Callable[[], T]) -> T:
+        """On the process's llama.cpp thread: one OpenMP team for every runtime's rounds
+        (``compute_thread``)."""
+        return compute_thread.run(work)
+
     def add_evictor(self, evict: Callable[[], bool]) -> None:
         """``evict`` (a bound method: held weakly) is called when the pool has no sequence id
         or no cell left; it drops one kept prefix and returns True, or False when it holds
@@ -280,7 +287,13 @@ class LlamaCppModel(EngineModel):
         """Feed each item's tokens after its sequence, in as few ``llama_decode`` calls as the
         batch size allows (one context at a time); returns the logits of each item's last
         ``keep`` rows ``[keep, V]``. All or nothing: on failure every sequence is cut back to
-        where it was."""
+        where it was. Runs on the process's llama.cpp thread (``compute_thread``), whichever
+        thread asks."""
+        return compute_thread.run(self._decode_items, items)
+
+    def _decode_items(
+        self, items: Sequence[tuple[LlamaSequence, Sequence[int], int]]
+    ) -> list[np.ndarray]:
         lengths = [seq.length for seq, _, _ in items]
         try:
             outputs: list[np.ndarray | None] = [None] * len(items)
