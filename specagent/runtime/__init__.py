@@ -257,7 +257,10 @@ class SpecRuntime(Backend):
         reached them, then kept)."""
         if isinstance(policy, str):
             policy = self.policies[policy]
-        return self._decoder.costs.measured(self._decoder.cost_runner(policy))
+        runner = self._decoder.cost_runner(policy)
+        # Where the worker's rounds run: the book's lock is held around each timing, and a
+        # timing asked from here must not wait for a round that waits for that lock.
+        return self._decoder.compute(lambda: self._decoder.costs.measured(runner))
 
     def planning_costs(self, policy: Policy | str) -> CostModel:
         """The step costs calls under ``policy`` plan with now: the measured ones, or a prior

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Generator, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,7 @@ from ._admission import Request, drafter_for
 __all__ = ["Decoder"]
 
 log = logging.getLogger("specagent.runtime")
+T = TypeVar("T")
 
 
 class Decoder:
@@ -141,9 +142,10 @@ class Decoder:
         known = [b for b in budgets if b is not None]
         return min(known) if known else None
 
-    def compute(self, work: Callable[[], None]) -> None:
-        """Run a worker's round where the target's engine computes (``EngineModel.compute``)."""
-        self.target.compute(work)
+    def compute(self, work: Callable[[], T]) -> T:
+        """Run ``work`` (a worker's round, a measurement) where the target's engine computes
+        (``EngineModel.compute``)."""
+        return self.target.compute(work)
 
     def kv_need(self, request: Request) -> int:
         """What a call may come to hold of the KV: its prompt, its new tokens and its longest

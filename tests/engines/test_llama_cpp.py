@@ -412,6 +412,40 @@ def test_every_forward_of_the_process_runs_on_one_thread(gguf_file, tokenizer, m
         first.close()
 
 
+def test_costs_asked_while_the_worker_measures_them_do_not_deadlock(
+    gguf_file, tokenizer, tmp_path
+) -> None:
+    """``step_costs`` asked from a caller's thread while the worker's rounds measure the same
+    curves on the llama.cpp thread: the book's lock is held around each timing, so a timing
+    that waited for the compute thread while the compute thread waited for that lock would
+    hang both for ever. Each of several runtimes (nothing stored: everything measured) answers."""
+    from specagent.machine import ProbeStore
+
+    for attempt in range(3):
+        model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=24, threads=1)
+        rt = SpecRuntime(
+            model,
+            tokenizer=tokenizer,
+            policies=[LOOKUP, PLAIN],
+            probe_store=ProbeStore(tmp_path / str(attempt)),
+        )
+        answers: list[object] = []
+        try:
+            rt._ensure_worker()  # its background measurement starts now
+            asking = threading.Thread(
+                target=lambda rt=rt, answers=answers: answers.append(rt.step_costs("lookup"))
+            )
+            asking.start()
+            out = rt.generate_sync(tokenizer.encode(TEXTS[0]), policy="lookup", max_new_tokens=8)
+            asking.join(timeout=120)
+            assert not asking.is_alive(), "step_costs and the worker wait for each other"
+            assert answers
+            assert answers[0].verify
+            assert out.token_ids
+        finally:
+            rt.close()
+
+
 def _drafting_run(model: LlamaCppModel, seq, others: bool) -> list:
     """A call's forwards (a prompt, then drafts of 5 with 3 rejected each time), optionally
     while other sequences come, go and leave holes in the shared pool."""
