@@ -10,9 +10,11 @@ regions (its "throttled" wait), and every token step then pays for waking its th
 runtime beside llama-cpp-python's ``Llama`` or a benchmark timing both would each leave a team.
 
 So every forward runs on one process-wide thread (``run``): one team, whichever runtime,
-worker or caller asks. The hand-off costs tens of microseconds against a step of tens of
-milliseconds; forwards of different models no longer overlap, which on a CPU they only did by
-splitting the same cores."""
+worker or caller asks. Each round of a llama.cpp runtime's worker runs here too
+(``LlamaCppModel.compute``): torch's wheel ships the libgomp that ggml then shares, so the torch
+operations on the logits would keep a team on the worker otherwise. The hand-off costs tens of
+microseconds against a step of tens of milliseconds; forwards of different models no longer
+overlap, which on a CPU they only did by splitting the same cores."""
 
 from __future__ import annotations
 
