@@ -1,4 +1,4 @@
-"""The one thread that runs the models: continuous batching of every active call.
+"""The thread that schedules the models: continuous batching of every active call.
 
 Calls are advanced one decoding step at a time, round-robin, so a long call does not hold short
 ones back: each round, the pending forwards of all active calls (draft steps and verifications)
@@ -9,6 +9,10 @@ sink on the way. A cancelled call is dropped (with its KV caches) before the nex
 Between rounds the worker runs one timing of the background cost measurement (if any is left),
 so measuring never blocks the calls for longer than one forward, and no call's forward runs
 while a timing does (it would skew both).
+
+Each round runs where the target's engine computes (``EngineModel.compute``): on this thread,
+or, for llama.cpp, on the one thread that runs every llama.cpp forward of the process (one
+OpenMP team: ``engines.llama_cpp.compute_thread``); this thread then only schedules.
 
 A reproducible call (``Policy.reproducible``) waits until that measurement is done (its draft
 lengths come from the measured costs, which must not change under it) and its forwards run

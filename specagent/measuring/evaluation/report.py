@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ...decoding.costs import CostModel
+from ...machine import machine_info
 from ...policy import Policy
 from ..records import geomean
 
@@ -118,6 +119,7 @@ class EvalReport:
             "device": self.device,
             "prompt_set": self.prompt_set,
             "settings": [s.to_json() for s in self.settings],
+            "machine": machine_info(),
         }
 
     def table(self) -> str:
