@@ -40,7 +40,6 @@ class CallAssembler:
         self.decode_text = decode_text
         self.drafter = drafter
         """The drafter the call's policy got on this runtime (``SpecStats.drafter``)."""
-        self.first_token_at: float | None = None
         self.token_ids: list[int] = []
         self.emitted = 0
         self.stops = StopStrings(request.stop, decode_text) if request.stop else None
@@ -48,8 +47,6 @@ class CallAssembler:
         """The call's text so far, decoded a step at a time (never the whole output again)."""
 
     def chunk(self, event: DecodeEvent) -> StreamChunk | None:
-        if event.token_ids and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
         self.token_ids.extend(event.token_ids)
         if self.stops is not None:
             self.stops.feed(event.token_ids)
@@ -66,7 +63,11 @@ class CallAssembler:
         delta, self.emitted = text[self.emitted : safe], safe
         return StreamChunk(text=delta, token_ids=list(event.token_ids))
 
-    def finish(self, event: DecodeEvent) -> tuple[StreamChunk, GenerationResult]:
+    def finish(
+        self, event: DecodeEvent, first_token_at: float | None
+    ) -> tuple[StreamChunk, GenerationResult]:
+        """The last chunk and the result; ``first_token_at``: when the worker emitted the
+        first token (``perf_counter``), for the time to first token."""
         self.chunk(event)
         now = time.perf_counter()
         output_ids = event.output_ids if event.output_ids is not None else self.token_ids
@@ -83,7 +84,7 @@ class CallAssembler:
                 cached_input_tokens=event.counters.cached_prompt_tokens,
                 **prediction_usage(self.request.prediction_ids, event.counters),
             ),
-            stats=self._stats(event.counters, now, len(output_ids)),
+            stats=self._stats(event.counters, now, len(output_ids), first_token_at),
             seed=self.request.seed,
             prompt_token_ids=self.request.prompt_ids,
         )
@@ -95,10 +96,12 @@ class CallAssembler:
         )
         return last, result
 
-    def _stats(self, counters: DecodeCounters, now: float, output_tokens: int) -> SpecStats:
+    def _stats(
+        self, counters: DecodeCounters, now: float, output_tokens: int, first: float | None
+    ) -> SpecStats:
         policy = self.request.policy
         latency = now - self.started
-        ttft = (self.first_token_at or now) - self.started
+        ttft = (first or now) - self.started
         relaxed = policy.mode == "relaxed"
         return SpecStats(
             policy=policy.name,

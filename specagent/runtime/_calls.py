@@ -78,13 +78,15 @@ class CallPath:
             raise
         span = self._start_span(request, call.parent_context, streaming)
         facts.trace_id = span.trace_id
-        sink = AsyncSink()
+        # A caller who waits for the whole result is woken once, at the end (``AsyncSink``).
+        sink = AsyncSink(eager=streaming)
         job = Job(request, sink, alone=request.reproducible)
         finished = False
         try:
+            started = time.perf_counter()  # before the worker can emit a token
             self.worker().submit(job)
             drafter = self.drafter_kind(request.policy)
-            assembler = CallAssembler(request, time.perf_counter(), self.decode_text, drafter)
+            assembler = CallAssembler(request, started, self.decode_text, drafter)
             while True:
                 got = None
                 with anyio.move_on_after(deadline - anyio.current_time()):
@@ -95,7 +97,7 @@ class CallPath:
                 if kind == "error":
                     raise payload
                 if kind == "done":
-                    last, result = assembler.finish(payload)
+                    last, result = assembler.finish(payload, sink.first_token_at)
                     result = facts.result = dataclasses.replace(result, trace_id=span.trace_id)
                     self.telemetry.end_call(span, result)
                     self._record(facts, "ok")
@@ -103,7 +105,7 @@ class CallPath:
                     yield dataclasses.replace(last, result=result)
                     return
                 chunk = assembler.chunk(payload)
-                if chunk is not None:
+                if chunk is not None and streaming:
                     self.telemetry.chunk(span)
                     yield chunk
         except BaseException as exc:

@@ -80,6 +80,45 @@ async def test_generate_returns_text_tokens_usage_and_stats(runtime, tokenizer) 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_call_awaited_whole_wakes_its_caller_once_not_every_step(
+    runtime, monkeypatch
+) -> None:
+    """The worker wakes a streaming caller's loop for every step's tokens, a caller waiting
+    for the whole result only at the end (each wake-up is a system call on the stepping
+    thread and the caller's loop running beside the next forward); the time to first token
+    is still when the first token came, not when the caller read it."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    wakes = 0
+    real = loop.call_soon_threadsafe
+
+    def counted(*args, **kwargs):
+        nonlocal wakes
+        wakes += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+    prompt = "Hello there, how is the weather"
+    async with runtime:
+        await runtime.generate(prompt, policy="lookup", max_new_tokens=2)  # the worker is up
+        wakes = 0
+        chunks = [c async for c in runtime.stream(prompt, policy="lookup", max_new_tokens=40)]
+        streamed = wakes
+        wakes = 0
+        started = time.perf_counter()
+        result = await runtime.generate(prompt, policy="lookup", max_new_tokens=40)
+        elapsed = time.perf_counter() - started
+        whole = wakes
+    steps = result.stats.num_drafts + 1
+    assert len(chunks) >= 5 and streamed >= len(chunks) - 1
+    assert steps >= 5 and whole <= 3, (whole, steps)
+    assert result.text == chunks[-1].result.text
+    assert 0 < result.stats.ttft_s < result.stats.latency_s <= elapsed
+
+
+@pytest.mark.anyio
 async def test_greedy_runtime_equals_target_greedy(runtime, target, tokenizer) -> None:
     import torch
 
