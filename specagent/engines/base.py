@@ -121,6 +121,12 @@ class EngineModel(ABC):
         round of the process on one thread (``engines.llama_cpp.compute_thread``)."""
         return work()
 
+    def compute_wanted(self) -> bool:
+        """Whether other work waits to run where this model computes (another runtime's
+        round on the shared llama.cpp thread): a worker running rounds back to back there
+        hands the place back between two of them. Never, inline."""
+        return False
+
     def add_evictor(self, evict: Callable[[], bool]) -> None:
         """Where the model runs short of room for a new sequence, call ``evict`` (kept
         prefixes hold sequences; it frees the oldest and says whether it freed one). Nothing

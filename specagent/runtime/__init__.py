@@ -394,6 +394,7 @@ class SpecRuntime(Backend):
                     kv_budget=self._decoder.kv_budget(),
                     need=self._decoder.kv_need,
                     compute=self._decoder.compute,
+                    compute_wanted=self._decoder.compute_wanted,
                 )
             return self._worker
 

@@ -147,6 +147,10 @@ class Decoder:
         (``EngineModel.compute``)."""
         return self.target.compute(work)
 
+    def compute_wanted(self) -> bool:
+        """Whether other work waits where the target computes (``EngineModel.compute_wanted``)."""
+        return self.target.compute_wanted()
+
     def kv_need(self, request: Request) -> int:
         """What a call may come to hold of the KV: its prompt, its new tokens and its longest
         draft. A reproducible call counts as much though its KV may be a context of its own

@@ -10,9 +10,10 @@ Between rounds the worker runs one timing of the background cost measurement (if
 so measuring never blocks the calls for longer than one forward, and no call's forward runs
 while a timing does (it would skew both).
 
-Each round runs where the target's engine computes (``EngineModel.compute``): on this thread,
-or, for llama.cpp, on the one thread that runs every llama.cpp forward of the process (one
-OpenMP team: ``engines.llama_cpp.compute_thread``); this thread then only schedules.
+Rounds run where the target's engine computes (``EngineModel.compute``): on this thread, or,
+for llama.cpp, on the one thread that runs every llama.cpp forward of the process (one OpenMP
+team: ``engines.llama_cpp.compute_thread``); this thread then only schedules. They run back to
+back there until a call arrives, the runtime stops or another job waits for that place.
 
 A reproducible call (``Policy.reproducible``) waits until that measurement is done (its draft
 lengths come from the measured costs, which must not change under it) and its forwards run
@@ -157,6 +158,7 @@ class Worker:
         kv_budget: int | None = None,
         need: Callable[[Any], int] | None = None,
         compute: Callable[[Callable[[], None]], None] | None = None,
+        compute_wanted: Callable[[], bool] | None = None,
     ) -> None:
         self.decode = decode
         self.max_active = max_active
@@ -168,8 +170,12 @@ class Worker:
         its longest draft)."""
         self.reserved = 0
         self.compute = compute or (lambda work: work())
-        """Where each round of steps runs (the engine's ``compute``: inline, or the thread
-        that runs every llama.cpp forward of the process)."""
+        """Where rounds of steps run (the engine's ``compute``: inline, or the thread that
+        runs every llama.cpp forward of the process), back to back while nothing else is to
+        be done between them (``_rounds``)."""
+        self.compute_wanted = compute_wanted or (lambda: False)
+        """Whether other work waits where the rounds run: the worker hands the place back
+        after the round it is in."""
         self.max_queue = max_queue
         self.batching = batching
         self.background = background
@@ -241,7 +247,7 @@ class Worker:
                         job.reserved = self.need(job.request)
                         self.reserved += job.reserved
                         starting.append(job)
-                self.compute(functools.partial(self._round, starting))
+                self.compute(functools.partial(self._rounds, starting))
         except BaseException as exc:  # a bug in the worker itself: fail everyone, say why
             self._fail_all(GenerationError(f"the runtime worker stopped: {exc!r}"))
             raise
@@ -249,6 +255,17 @@ class Worker:
             if self.background is not None:
                 self.background.close()  # unfinished: a later worker measures the rest
                 self.background = None
+
+    def _rounds(self, starting: list[Job]) -> None:
+        """Rounds back to back while calls run and nothing waits: no call in the inbox, no
+        stop, no other work where they run. One hand-off to ``compute`` per burst, not per
+        step (with llama.cpp each costs waking two threads while ggml's spin)."""
+        self._round(starting)
+        while not self.compute_wanted():
+            with self.cond:
+                if not self.active or self.inbox or self.waiting or self.stopping:
+                    return
+            self._round([])
 
     def _round(self, starting: list[Job]) -> None:
         """Start the calls taken from the inbox, step every active call once, then a slice

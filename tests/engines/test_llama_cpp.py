@@ -7,6 +7,7 @@ logits run on every engine in ``tests/decoding/test_lossless_distribution.py``).
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 
 import anyio
@@ -407,6 +408,50 @@ def test_every_forward_of_the_process_runs_on_one_thread(gguf_file, tokenizer, m
         own = model.private_sequence(8)
         with pytest.raises(GenerationError, match="no room in the call's own KV"):
             runner.forward(list(range(1, 300)), own)
+    finally:
+        second.close()
+        first.close()
+
+
+def test_runtimes_sharing_the_llama_cpp_thread_take_turns_round_by_round(
+    gguf_file, tokenizer, monkeypatch
+) -> None:
+    """A worker runs its rounds back to back on the llama.cpp thread (one hand-off per burst,
+    not per step), but hands the thread back after a round as soon as another runtime's work
+    waits for it: two long calls on two runtimes over one model advance in turns, neither
+    waits for the other to finish."""
+    model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=24, threads=1)
+    first = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
+    second = first.with_policies([PLAIN])
+    order: list[int] = []
+    try:
+        for index, rt in enumerate((first, second)):
+            rt.wait_measured()
+            work = rt._ensure_worker()._round
+            monkeypatch.setattr(
+                rt._worker, "_round", lambda s, w=work, i=index: (order.append(i), w(s))
+            )
+        ids = tokenizer.encode(TEXTS[0])
+        results: dict[int, list[int]] = {}
+        eos: list[int] = []
+        for rt in (first, second):
+            rt.eos_token_ids = eos  # both run their whole budget
+        threads = [
+            threading.Thread(
+                target=lambda i=i, rt=rt: results.__setitem__(
+                    i, rt.generate_sync(ids, policy="plain", max_new_tokens=48).token_ids
+                )
+            )
+            for i, rt in enumerate((first, second))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert len(results[0]) == len(results[1]) == 48
+        assert results[0] == results[1]
+        switches = sum(a != b for a, b in itertools.pairwise(order))
+        assert switches >= 20, order
     finally:
         second.close()
         first.close()

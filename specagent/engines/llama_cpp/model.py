@@ -190,6 +190,10 @@ class LlamaCppModel(EngineModel):
         (``compute_thread``)."""
         return compute_thread.run(work)
 
+    def compute_wanted(self) -> bool:
+        """Whether another job waits for the llama.cpp thread."""
+        return compute_thread.wanted()
+
     def add_evictor(self, evict: Callable[[], bool]) -> None:
         """``evict`` (a bound method: held weakly) is called when the pool has no sequence id
         or no cell left; it drops one kept prefix and returns True, or False when it holds
