@@ -3,8 +3,12 @@ users run, on the same GGUF file with the same threads and the same fast paths t
 llama.cpp engine proved on this machine (``--no-repack`` where weight repacking is off).
 
 One server per mode, each with one slot and its prompt cache on, as an agent's process would
-run it: ``plain`` greedy decoding, and its n-gram speculative modes ``ngram-mod`` (drafts of 48
-to 64 tokens from a 24-token match) and ``ngram-cache``. A call is one ``POST /completion`` with
+run it (each turn starts from the KV the last one left in the slot), but without its host-memory
+cache of earlier prompts (``--cache-ram 0``): the benchmarks start every method's episode or
+prompt cold (specagent's prefix cache is cleared), and a second round would otherwise find the
+whole prefills of the first kept there. Modes: ``plain`` greedy decoding, and the n-gram
+speculative modes ``ngram-mod`` (drafts of 48 to 64 tokens from a 24-token match) and
+``ngram-cache``. A call is one ``POST /completion`` with
 the prompt as token ids, greedy, returning the generated token ids; the time is the client's.
 
 The binary comes from ``$SPECAGENT_LLAMA_SERVER`` or the ``PATH``; ``benchmarks/llama_server.py
@@ -14,6 +18,7 @@ as the engine's)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -42,6 +47,16 @@ def find_llama_server() -> str | None:
     if named:
         return named if Path(named).is_file() else None
     return shutil.which("llama-server")
+
+
+@functools.lru_cache(maxsize=8)
+def _flags(binary: str) -> str:
+    """The binary's ``--help`` text (an older build lacks some flags)."""
+    try:
+        done = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
 
 
 def _free_port() -> int:
@@ -80,6 +95,7 @@ class LlamaServer:
             "-np", "1",
             "-fa", "on" if flash_attention else "off",
             *([] if repack else ["--no-repack"]),
+            *(["--cache-ram", "0"] if "--cache-ram" in _flags(binary) else []),
             *extra,
         ]  # fmt: skip
         self.command = command
