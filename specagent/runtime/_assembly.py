@@ -34,6 +34,7 @@ class CallAssembler:
         started: float,
         decode_text: Callable[[Sequence[int]], str],
         drafter: str,
+        streaming: bool = True,
     ) -> None:
         self.request = request
         self.started = started
@@ -45,14 +46,18 @@ class CallAssembler:
         self.stops = StopStrings(request.stop, decode_text) if request.stop else None
         self.text = self.stops.text if self.stops else IncrementalText(decode_text)
         """The call's text so far, decoded a step at a time (never the whole output again)."""
+        self.streaming = streaming
+        """Whether the caller takes chunks as they come; otherwise only the result, and the
+        events, all read at the end (``AsyncSink``), are not decoded one by one (a long
+        output would hold the caller's loop, and every other stream on it, meanwhile)."""
 
     def chunk(self, event: DecodeEvent) -> StreamChunk | None:
         self.token_ids.extend(event.token_ids)
         if self.stops is not None:
-            self.stops.feed(event.token_ids)
-        else:
+            self.stops.feed(event.token_ids)  # where the result's text is cut
+        elif self.streaming:
             self.text.extend(event.token_ids)
-        if event.finish_reason is not None:
+        if event.finish_reason is not None or not self.streaming:
             return None
         text = self.text.text
         safe = self.stops.safe_length() if self.stops is not None else len(text)

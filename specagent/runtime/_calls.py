@@ -86,7 +86,7 @@ class CallPath:
             started = time.perf_counter()  # before the worker can emit a token
             self.worker().submit(job)
             drafter = self.drafter_kind(request.policy)
-            assembler = CallAssembler(request, started, self.decode_text, drafter)
+            assembler = CallAssembler(request, started, self.decode_text, drafter, streaming)
             while True:
                 got = None
                 with anyio.move_on_after(deadline - anyio.current_time()):
@@ -105,7 +105,7 @@ class CallPath:
                     yield dataclasses.replace(last, result=result)
                     return
                 chunk = assembler.chunk(payload)
-                if chunk is not None and streaming:
+                if chunk is not None:
                     self.telemetry.chunk(span)
                     yield chunk
         except BaseException as exc:
