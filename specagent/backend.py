@@ -48,7 +48,7 @@ class Backend(ABC):
         """Run ``call``: text chunks as tokens are accepted, and last a chunk with the
         ``GenerationResult``; closing the iterator early cancels the call. ``streaming``
         says whether the caller reads chunks as they come (time to first chunk is reported
-        only then) or only the result."""
+        only then) or only the result (then only that last chunk comes)."""
 
     def stream(
         self,

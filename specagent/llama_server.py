@@ -8,8 +8,8 @@ cache of earlier prompts (``--cache-ram 0``): the benchmarks start every method'
 prompt cold (specagent's prefix cache is cleared), and a second round would otherwise find the
 whole prefills of the first kept there. Modes: ``plain`` greedy decoding, and the n-gram
 speculative modes ``ngram-mod`` (drafts of 48 to 64 tokens from a 24-token match) and
-``ngram-cache``. A call is one ``POST /completion`` with
-the prompt as token ids, greedy, returning the generated token ids; the time is the client's.
+``ngram-cache``. A call is one ``POST /completion`` with the prompt as token ids, greedy,
+returning the generated token ids; the time is the client's.
 
 The binary comes from ``$SPECAGENT_LLAMA_SERVER`` or the ``PATH``; ``benchmarks/llama_server.py
 build`` builds it from the llama.cpp that the installed llama-cpp-python vendors (same sources
