@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .call import Call
@@ -17,11 +17,7 @@ from .policy import Policy, PolicySet
 from .results import GenerationResult, StreamChunk
 
 if TYPE_CHECKING:
-    from opentelemetry.context import Context
-
     from .chat import Prompt
-    from .decoding.tenants import Tenant
-    from .grammar import Constraint
 
 __all__ = ["Backend"]
 
@@ -50,65 +46,11 @@ class Backend(ABC):
         says whether the caller reads chunks as they come (time to first chunk is reported
         only then) or only the result (then only that last chunk comes)."""
 
-    def stream(
-        self,
-        prompt: Prompt,
-        *,
-        policy: str | None = None,
-        tags: Sequence[str] = (),
-        max_new_tokens: int | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        timeout: float | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        constraint: Constraint | None = None,
-        tenant: str | Tenant | None = None,
-        parent_context: Context | None = None,
-        record: bool = True,
-        prediction: str | Sequence[int] | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
+    def stream(self, prompt: Prompt, **kwargs: Any) -> AsyncGenerator[StreamChunk, None]:
         """Stream a call: text chunks as tokens are accepted; the last chunk has the result.
-
-        ``tools`` (OpenAI function format) are rendered by the chat template of a chat prompt;
-        ``constraint`` (a ``specagent.grammar.Constraint``) makes the output match a JSON schema,
-        a grammar or a regex, enforced on draft and target alike. ``tenant`` names who the call
-        is for (a string: a principal; a ``Tenant``: a principal and a sub-tenant under it): a
-        ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a call reuses
-        only its tenant's kept KV, and memory is accounted per principal.
-
-        ``prediction`` (text or token ids) is what the caller expects the output to be, as
-        OpenAI's predicted outputs: it drafts where the output follows it (``suffix`` and
-        ``auto`` policies), never enters the prompt, and leaves a lossless call's output as it
-        would be without it; ``usage`` counts its accepted and rejected tokens.
-
-        ``record=False``: the runtime's audit store does not get this call's row (a front door
-        that records its calls itself, as the server does, passes it).
-
-        Closing the generator cancels the call. (``Call`` holds the same fields: ``run``
-        takes one built elsewhere.)"""
-        return self.run(
-            Call(
-                prompt,
-                policy=policy,
-                tags=tags,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k,
-                stop=stop,
-                seed=seed,
-                timeout=timeout,
-                tools=tools,
-                constraint=constraint,
-                tenant=tenant,
-                parent_context=parent_context,
-                record=record,
-                prediction=prediction,
-            )
-        )
+        Keywords: the fields of ``Call`` (policy, tags, sampling, tools, constraint, tenant,
+        prediction, ...), declared there once. Closing the generator cancels the call."""
+        return self.run(Call(prompt, **kwargs))
 
     async def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         """Run a call to the end. Keywords as ``stream``."""

@@ -29,6 +29,9 @@ class Call:
     """The policy's name (None: the one the ``tags`` route to, else the default)."""
     tags: Sequence[str] = ()
     """Routing tags (a lone string is one tag)."""
+    default_policy: str | None = None
+    """The policy when ``policy`` is None and the tags route to none (a front door's own
+    default); None: the runtime's default. Chosen once, at admission (``PolicySet.resolve``)."""
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -47,7 +50,9 @@ class Call:
     answer's last version), as text or token ids. It only drafts: a lossless call's output is
     the same with or without it; it is not part of the prompt."""
     tenant: str | Tenant | None = None
-    """Who the call is for (``decoding.tenants.tenant_of``)."""
+    """Who the call is for (a string: a principal; a ``Tenant``: a principal and a sub-tenant
+    under it): a ``suffix``/``auto`` policy drafts only from that tenant's earlier calls, a
+    call reuses only its tenant's kept KV, and memory is accounted per principal."""
     parent_context: Context | None = None
     """The OpenTelemetry context its span joins."""
     record: bool = True

@@ -1,10 +1,10 @@
 """OpenAI-shaped calls, for every front door (the LangChain adapter, the HTTP server, scripts).
 
 ``CallSpec.build`` turns the fields of an OpenAI chat completion (messages, tools,
-tool_choice, response_format, stop, seed, max_tokens, temperature, top_p) plus specagent's
-policy name and tags into what a backend runs: the prompt, the grammar constraint that enforces
-a forced tool call or a response format, and the policy by precedence (an explicit name, then the
-call's tags, then the front door's default). ``run_call`` runs it on a backend with retries
+tool_choice, response_format, stop, seed, max_tokens, temperature, top_p, top_k) plus specagent's
+policy name, tags and default into what a backend runs: the prompt and the grammar constraint
+that enforces a forced tool call or a response format (the policy is chosen once, where the call
+is admitted: ``PolicySet.resolve``). ``run_call`` runs it on a backend with retries
 before the first token, holds back streamed text that may be a tool call, and parses tool calls
 from the finished output.
 """
@@ -88,7 +88,6 @@ class CallSpec:
         cls,
         messages: list[dict[str, Any]],
         *,
-        backend: Backend | None = None,
         policy: str | None = None,
         tags: Sequence[str] = (),
         tenant: str | Tenant | None = None,
@@ -99,6 +98,7 @@ class CallSpec:
         stop: Sequence[str] | str | None = None,
         temperature: float | None = None,
         top_p: float | None = None,
+        top_k: int | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
         timeout: float | None = None,
@@ -107,9 +107,9 @@ class CallSpec:
         repeat_guard: bool = False,
         prediction: Any = None,
     ) -> CallSpec:
-        """Validate and translate. The policy: ``policy`` if named; else ``default_policy``
-        unless the call's ``tags`` route to a policy (``backend.policies.route``); else the
-        backend resolves the tags itself.
+        """Validate and translate. The policy is not chosen here: ``policy``, ``tags`` and the
+        front door's ``default_policy`` go on the ``Call``, and whoever admits it chooses by
+        ``PolicySet.resolve`` (a name, else the tags' route, else the default).
 
         ``answer_guard``: a call that offers no tools and answers a tool result (the last
         message has role ``tool``) gets ``ANSWER_AFTER_TOOLS`` as its grammar, unless it has a
@@ -125,9 +125,6 @@ class CallSpec:
 
         ``prediction``: OpenAI's predicted output (``{"type": "content", "content": ...}``, or
         the text itself; ``predicted_content``)."""
-        if policy is None and default_policy is not None:
-            routed = backend.policies.route(tags) if tags and backend is not None else None
-            policy = routed.name if routed is not None and routed.match.tags else default_policy
         offered = [dict(t) for t in tools] if tools else None
         names = [t["function"]["name"] for t in offered] if offered else []
         choice = tool_choice_name(tool_choice, names)
@@ -143,9 +140,11 @@ class CallSpec:
             list(messages),
             policy=policy,
             tags=tuple(tags),
+            default_policy=default_policy,
             max_new_tokens=max_tokens,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k,
             stop=tuple(sorted(set(stops))) or None,
             seed=seed,
             timeout=timeout,

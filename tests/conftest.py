@@ -214,10 +214,11 @@ def draft(target: LlamaForCausalLM) -> LlamaForCausalLM:
     return perturbed_copy(target, scale=0.05, seed=1)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
+@pytest.fixture(params=["asyncio", pytest.param("trio", marks=pytest.mark.slow)])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every async test runs on both of anyio's backends: the runtime promises asyncio or
-    trio callers alike (its worker wakes either loop)."""
+    trio callers alike (its worker wakes either loop). The fast suite runs asyncio; trio's
+    runs come with ``--full``."""
     return str(request.param)
 
 

@@ -310,6 +310,7 @@ def test_cli_models_info_says_which_dtype_and_why(
     assert "s per token at acceptance 0.8" in out
 
 
+@pytest.mark.slow  # compiles with inductor
 def test_cli_models_info_says_whether_steps_run_compiled(
     tokenizer, tmp_path: Path, monkeypatch, capsys
 ) -> None:

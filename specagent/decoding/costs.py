@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .engine import Runner, crop_to
 
@@ -159,6 +159,7 @@ MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 """Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
 grid, and always the longest asked for); the ones between are interpolated."""
 Steps = Generator[None, None, Any]
+R = TypeVar("R")
 
 
 def measure_costs(
@@ -306,12 +307,13 @@ def interpolate_costs(measured: dict[int, float], max_tokens: int) -> list[float
     return out
 
 
-def _finish(steps: Steps) -> Any:
+def _finish(steps: Generator[None, None, R]) -> R:
     while True:
         try:
             next(steps)
         except StopIteration as done:
-            return done.value
+            value: R = done.value
+            return value
 
 
 # --------------------------------------------------------------------------- the book

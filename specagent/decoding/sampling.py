@@ -18,7 +18,7 @@ __all__ = ["SamplingParams", "logits_to_probs", "make_generator", "sample"]
 class SamplingParams:
     """How a distribution is shaped before sampling. ``temperature == 0`` means greedy."""
 
-    temperature: float = 1.0
+    temperature: float
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
     top_p: float = 1.0

@@ -82,9 +82,13 @@ class PolicySet:
     def route(self, tags: Sequence[str]) -> Policy:
         """The policy whose ``match.tags`` overlap ``tags`` most; ties go to a lossless policy,
         then to the first name. No overlap: the default (lossless)."""
+        matched = self._matched(tags)
+        return matched if matched is not None else self.default
+
+    def _matched(self, tags: Sequence[str]) -> Policy | None:
         wanted = set(tags)
         best: tuple[int, int, str] | None = None
-        chosen = self.default
+        chosen = None
         for policy in self._policies.values():
             overlap = len(wanted.intersection(policy.match.tags))
             if overlap == 0:
@@ -94,9 +98,18 @@ class PolicySet:
                 best, chosen = key, policy
         return chosen
 
-    def resolve(self, name: str | None = None, tags: Sequence[str] = ()) -> Policy:
-        """An explicit name wins (and must exist); otherwise route by tags."""
-        return self.get(name) if name is not None else self.route(tags)
+    def resolve(
+        self, name: str | None = None, tags: Sequence[str] = (), default: str | None = None
+    ) -> Policy:
+        """The one rule every front door and the runtime choose a call's policy by: an explicit
+        ``name`` wins (and must exist); else the policy the ``tags`` route to; else ``default``
+        (a front door's own default, which must exist), else this set's default."""
+        if name is not None:
+            return self.get(name)
+        matched = self._matched(tags)
+        if matched is not None:
+            return matched
+        return self.get(default) if default is not None else self.default
 
     def with_default(self, default: Policy) -> PolicySet:
         """A copy with ``default`` as its default, unless this set was given one of its own."""

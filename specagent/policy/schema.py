@@ -27,7 +27,7 @@ from ..decoding.drafters.none import NoDrafterConfig
 from ..decoding.drafters.prompt_lookup import PromptLookupConfig
 from ..decoding.drafters.suffix import SuffixConfig
 from ..decoding.registry import DRAFTERS, RULES, DrafterConfig, drafter_block
-from ..decoding.stopping import check_stops
+from .sampling import SamplingConfig
 
 __all__ = [
     "AcceptanceConfig",
@@ -62,28 +62,6 @@ else:
     ]
 """The relaxed rules of ``decoding.registry.RULES`` (each an ``AcceptanceBlock``), told apart
 by their ``rule`` field."""
-
-
-class SamplingConfig(_Strict):
-    """Sampling defaults of the policy; a call may override them (never the mode)."""
-
-    temperature: float = Field(default=0.0, ge=0.0, le=5.0)
-    """0 is greedy."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    max_new_tokens: int = Field(default=256, ge=1, le=1_000_000)
-    stop: tuple[str, ...] = ()
-    """Stop strings; generation ends before them and they are not emitted (at most
-    ``MAX_STOPS``, each of at most ``MAX_STOP_CHARS`` characters)."""
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
-    """Default seed; None draws a fresh one per call."""
-
-    @field_validator("stop")
-    @classmethod
-    def _bounded_stops(cls, stops: tuple[str, ...]) -> tuple[str, ...]:
-        if stops:
-            check_stops(stops)
-        return stops
 
 
 class TelemetryConfig(_Strict):

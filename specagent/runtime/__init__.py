@@ -44,7 +44,7 @@ from ._admission import (
     PoliciesArg,
     check_policies_fit,
     coerce_policies,
-    drafter_for,
+    drafter_blocks,
     eos_token_ids,
 )
 from ._audit import audit_store
@@ -129,7 +129,10 @@ class SpecRuntime(Backend):
         which optional fast paths each model runs with and why (``fast_paths``: a path that
         crashed or miscomputed in a child process at load stays off; ``engines.describe``
         words it)."""
-        check_policies_fit(self.policies, has_draft, self._target)
+        drafters = drafter_blocks(self.policies, has_draft)
+        check_policies_fit(self.policies, drafters, has_draft, self._target)
+        self._drafters = drafters
+        """The drafter block each policy runs here, by name (decided once, here)."""
         self.audit = audit_store(audit)
         """Where every call's row goes (``specagent.audit``: a database URL or an
         ``AuditStore``; None: no audit): who called which policy, when, with what result and
@@ -142,13 +145,12 @@ class SpecRuntime(Backend):
         (``from_pretrained``: the cache directory; None: measured once per runtime)."""
         self._calls = CallPath(
             admission=Admission(
-                self.policies, tokenizer, self.vocab_size, self.context_window, (*eos,), has_draft
+                self.policies, tokenizer, self.vocab_size, self.context_window, (*eos,), drafters
             ),
             gate=AdmissionGate(tokenizer, workers=admission_workers),
             telemetry=Telemetry(self.model_name, tracer_provider, meter_provider),
             audit=self.audit,
             worker=self._ensure_worker,
-            drafter_kind=self.drafter_kind,
             decode_text=self._decode_text,
             engine=self.engine,
         )
@@ -162,8 +164,7 @@ class SpecRuntime(Backend):
             eos_token_ids=eos,
             prefixes=self.prefix_cache,
             store=probe_store,
-            longest=max(drafter_for(p, has_draft).num_speculative_tokens for p in self.policies)
-            + 1,
+            longest=max(block.num_speculative_tokens for block in drafters.values()) + 1,
             decode_text=self._decode_text,
             history=HistoryStore(history_tokens) if history_tokens > 0 else None,
             tokenizer=tokenizer,
@@ -257,7 +258,7 @@ class SpecRuntime(Backend):
         reached them, then kept)."""
         if isinstance(policy, str):
             policy = self.policies[policy]
-        runner = self._decoder.cost_runner(policy)
+        runner = self._decoder.cost_runner(self._drafters[policy.name])
         # Where the worker's rounds run: the book's lock is held around each timing, and a
         # timing asked from here must not wait for a round that waits for that lock.
         return self._decoder.compute(lambda: self._decoder.costs.measured(runner))
@@ -268,7 +269,7 @@ class SpecRuntime(Backend):
         Measures nothing."""
         if isinstance(policy, str):
             policy = self.policies[policy]
-        return self._decoder.costs.model(self._decoder.cost_runner(policy))
+        return self._decoder.costs.model(self._decoder.cost_runner(self._drafters[policy.name]))
 
     @property
     def tuning(self) -> dict[str, dict[str, Any]]:
@@ -307,7 +308,7 @@ class SpecRuntime(Backend):
 
     def drafter_kind(self, policy: Policy) -> str:
         """The drafter a policy gets on this runtime (its fallback when there is no draft model)."""
-        return drafter_for(policy, self.draft is not None).kind
+        return self._drafters[policy.name].kind
 
     def describe(self, policy: Policy) -> dict[str, Any]:
         """The engine, the target's dtype (as chosen at load, or the model's own) and the
@@ -390,7 +391,7 @@ class SpecRuntime(Backend):
                     max_active=self.max_active,
                     max_queue=self.max_queue,
                     batching=self.batching,
-                    background=self._decoder.background(self.tokenizer, list(self.policies)),
+                    background=self._decoder.background(self.tokenizer, self._drafters.values()),
                     kv_budget=self._decoder.kv_budget(),
                     need=self._decoder.kv_need,
                     compute=self._decoder.compute,

@@ -5,7 +5,7 @@ constraint)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ from ..chat import Prompt, prediction_ids, render_prompt
 from ..decoding.drafters.base import DrafterBlock
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
-from ..decoding.tenants import HistoryScope, Tenant, tenant_of
+from ..decoding.tenants import HistoryScope, Tenant
 from ..engines import EngineModel
 from ..errors import ContextLengthError, InvalidRequestError, PolicyError
 from ..grammar import GrammarState, compile_constraint
@@ -25,24 +25,38 @@ from ..policy import Policy, PolicySet, load_policies
 from ..policy.loader import format_validation_error
 from ..policy.schema import SamplingConfig
 
-__all__ = ["Admission", "PoliciesArg", "Request", "coerce_policies", "drafter_for"]
+__all__ = [
+    "Admission",
+    "CallPlan",
+    "PoliciesArg",
+    "check_policies_fit",
+    "coerce_policies",
+    "drafter_blocks",
+    "drafter_for",
+]
 
 PoliciesArg = str | Path | PolicySet | Sequence[Policy] | None
 
 
-@dataclass
-class Request:
-    """A validated call, ready for the worker."""
+@dataclass(frozen=True)
+class CallPlan:
+    """A call as admission decided it, once: its policy, the drafter block it runs here, its
+    sampling, budget, stops and seed, its tenant and history scope, its grammar. The worker,
+    the decoder, the span and the audit row read this and decide nothing again."""
 
     prompt: Prompt
     prompt_ids: list[int]
     policy: Policy
+    drafter: DrafterBlock
+    """The block the policy runs on this runtime (``drafter_for``: its fallback without a
+    draft model)."""
     params: SamplingParams
     max_new_tokens: int
     stop: tuple[str, ...]
     seed: int
     explicit_max_tokens: bool
     grammar: GrammarState | None = None
+    """The call's own grammar state (advanced as it decodes)."""
     tenant: Tenant | None = None
     history_key: HistoryScope | None = None
     """Whose earlier text this call may draft from, and where its own text is kept (None:
@@ -66,19 +80,18 @@ class Admission:
     vocab_size: int
     context_window: int | None
     eos_token_ids: tuple[int, ...]
-    has_draft_model: bool
-    """Whether the runtime has a draft model (else a policy runs its drafter's fallback)."""
+    drafters: Mapping[str, DrafterBlock]
+    """The drafter block each policy runs on this runtime, by policy name (``drafter_blocks``:
+    decided once, when the runtime is built)."""
 
-    def request(self, call: Call, tokenizer: Any = None) -> Request:
-        """The validated call. ``tokenizer``: the one to use on this thread (an admission
-        thread's own, ``_gate``; default the runtime's)."""
+    def plan(self, call: Call, tenant: Tenant | None, tokenizer: Any = None) -> CallPlan:
+        """The call's plan. ``tenant``: ``call.tenant`` as the call path parsed it (it picks
+        the admission's turn before this runs); ``tokenizer``: the one to use on this thread
+        (an admission thread's own, ``_gate``; default the runtime's)."""
         tok = tokenizer if tokenizer is not None else self.tokenizer
-        policy = self.policies.resolve(call.policy, call.tags)
-        try:
-            who = tenant_of(call.tenant)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        key = history_key(policy, drafter_for(policy, self.has_draft_model), who)
+        policy = self.policies.resolve(call.policy, call.tags, call.default_policy)
+        drafter = self.drafters[policy.name]
+        key = history_key(policy, drafter, tenant)
         overrides = {
             key: value
             for key, value in {
@@ -131,17 +144,18 @@ class Admission:
             grammar = compile_constraint(
                 call.constraint, self.tokenizer, self.vocab_size, self.eos_token_ids
             )
-        return Request(
+        return CallPlan(
             prompt=prompt,
             prompt_ids=prompt_ids,
             policy=policy,
+            drafter=drafter,
             params=params,
             max_new_tokens=budget,
             stop=sampling.stop,
             seed=call_seed,
             explicit_max_tokens="max_new_tokens" in overrides,
             grammar=grammar,
-            tenant=who,
+            tenant=tenant,
             history_key=key,
             prediction_ids=tuple(
                 prediction_ids(call.prediction, tok, self.vocab_size, self.context_window)
@@ -187,10 +201,22 @@ def drafter_for(policy: Policy, has_draft_model: bool) -> DrafterBlock:
     return block
 
 
-def check_policies_fit(policies: PolicySet, has_draft_model: bool, target: EngineModel) -> None:
-    """Refuse, when the runtime is built, a policy its models cannot run."""
+def drafter_blocks(policies: PolicySet, has_draft_model: bool) -> dict[str, DrafterBlock]:
+    """The drafter block each policy runs on a runtime, by name (``drafter_for``), decided
+    once when the runtime is built: admission, the cost measurement and ``describe`` read it."""
+    return {policy.name: drafter_for(policy, has_draft_model) for policy in policies}
+
+
+def check_policies_fit(
+    policies: PolicySet,
+    drafters: Mapping[str, DrafterBlock],
+    has_draft_model: bool,
+    target: EngineModel,
+) -> None:
+    """Refuse, when the runtime is built, a policy its models cannot run (``drafters``: the
+    blocks they run here, ``drafter_blocks``)."""
     for policy in policies:
-        block = drafter_for(policy, has_draft_model)
+        block = drafters[policy.name]
         kind, spec = block.kind, DRAFTERS[block.kind]
         if spec.needs_draft_model and not has_draft_model:
             msg = (

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from ..decoding.loop import DecodeCounters, DecodeEvent
 from ..decoding.stopping import IncrementalText, StopStrings
 from ..results import GenerationResult, SpecStats, StreamChunk, Usage
-from ._admission import Request
+from ._admission import CallPlan
 
 __all__ = ["CallAssembler"]
 
@@ -30,20 +30,17 @@ class CallAssembler:
 
     def __init__(
         self,
-        request: Request,
+        plan: CallPlan,
         started: float,
         decode_text: Callable[[Sequence[int]], str],
-        drafter: str,
         streaming: bool = True,
     ) -> None:
-        self.request = request
+        self.plan = plan
         self.started = started
         self.decode_text = decode_text
-        self.drafter = drafter
-        """The drafter the call's policy got on this runtime (``SpecStats.drafter``)."""
         self.token_ids: list[int] = []
         self.emitted = 0
-        self.stops = StopStrings(request.stop, decode_text) if request.stop else None
+        self.stops = StopStrings(plan.stop, decode_text) if plan.stop else None
         self.text = self.stops.text if self.stops else IncrementalText(decode_text)
         """The call's text so far, decoded a step at a time (never the whole output again)."""
         self.streaming = streaming
@@ -84,14 +81,14 @@ class CallAssembler:
             token_ids=list(output_ids),
             finish_reason=event.finish_reason,  # type: ignore[arg-type]
             usage=Usage(
-                input_tokens=len(self.request.prompt_ids),
+                input_tokens=len(self.plan.prompt_ids),
                 output_tokens=len(output_ids),
                 cached_input_tokens=event.counters.cached_prompt_tokens,
-                **prediction_usage(self.request.prediction_ids, event.counters),
+                **prediction_usage(self.plan.prediction_ids, event.counters),
             ),
             stats=self._stats(event.counters, now, len(output_ids), first_token_at),
-            seed=self.request.seed,
-            prompt_token_ids=self.request.prompt_ids,
+            seed=self.plan.seed,
+            prompt_token_ids=self.plan.prompt_ids,
         )
         last = StreamChunk(
             text=text[self.emitted :] if len(text) > self.emitted else "",
@@ -104,14 +101,14 @@ class CallAssembler:
     def _stats(
         self, counters: DecodeCounters, now: float, output_tokens: int, first: float | None
     ) -> SpecStats:
-        policy = self.request.policy
+        policy = self.plan.policy
         latency = now - self.started
         ttft = (first or now) - self.started
         relaxed = policy.mode == "relaxed"
         return SpecStats(
             policy=policy.name,
             mode=policy.mode,
-            drafter=self.drafter,
+            drafter=self.plan.drafter.kind,
             num_drafts=counters.num_drafts,
             num_draft_tokens=counters.num_draft_tokens,
             num_accepted_tokens=counters.num_accepted_tokens,

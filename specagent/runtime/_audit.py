@@ -12,7 +12,7 @@ import anyio
 
 from ..decoding.tenants import Tenant
 from ..results import GenerationResult
-from ._admission import Request
+from ._admission import CallPlan
 
 if TYPE_CHECKING:
     from ..audit import AuditStore
@@ -36,7 +36,7 @@ class CallFacts:
     audit: AuditStore | None
     """Where its row goes (None: not recorded here)."""
     tenant: Tenant | None = None
-    request: Request | None = None
+    plan: CallPlan | None = None
     result: GenerationResult | None = None
     trace_id: str | None = None
     recorded: bool = False
@@ -49,18 +49,18 @@ def record_call(facts: CallFacts, status: str, engine: str, model: str) -> None:
     facts.recorded = True
     from ..audit import call_row
 
-    request = facts.request
+    plan = facts.plan
     facts.audit.record(
         call_row(
             front_door="sdk",
             status=status,
             result=facts.result,
-            tenant=request.tenant if request is not None else facts.tenant,
-            policy=request.policy.name if request is not None else None,
-            mode=request.policy.mode if request is not None else None,
+            tenant=plan.tenant if plan is not None else facts.tenant,
+            policy=plan.policy.name if plan is not None else None,
+            mode=plan.policy.mode if plan is not None else None,
             engine=engine,
             model=model,
-            prompt_tokens=len(request.prompt_ids) if request is not None else None,
+            prompt_tokens=len(plan.prompt_ids) if plan is not None else None,
             trace_id=facts.trace_id,
         )
     )

@@ -18,10 +18,9 @@ from opentelemetry import context as otel_context
 from ..call import Call
 from ..decoding.tenants import tenant_of
 from ..errors import CallTimeoutError, InvalidRequestError
-from ..policy import Policy
 from ..results import StreamChunk
 from ..telemetry import CallSpan, Telemetry
-from ._admission import Admission, Request
+from ._admission import Admission, CallPlan
 from ._assembly import CallAssembler
 from ._audit import CallFacts, record_call, status_of
 from ._gate import AdmissionGate
@@ -45,7 +44,6 @@ class CallPath:
     """Where every call's row goes (None: no audit)."""
     worker: Callable[[], Worker]
     """The runtime's worker, started if it is not running."""
-    drafter_kind: Callable[[Policy], str]
     decode_text: Callable[[Sequence[int]], str]
     engine: str
 
@@ -64,29 +62,27 @@ class CallPath:
             except ValueError as exc:
                 raise InvalidRequestError(str(exc)) from None
             facts.tenant = who
-            admitted = dataclasses.replace(call, tenant=who)
             # Off the event loop (rendering a template, tokenizing a long prompt or compiling
             # a grammar must not pause every other call's stream on this loop), in the
             # principal's turn, within the call's deadline.
-            request = facts.request = await self.gate.admit(
+            plan = facts.plan = await self.gate.admit(
                 who.principal if who is not None else None,
-                lambda tokenizer: self.admission.request(admitted, tokenizer=tokenizer),
+                lambda tokenizer: self.admission.plan(call, who, tokenizer=tokenizer),
                 timeout,
             )
         except BaseException as exc:
             self._record(facts, status_of(exc))
             raise
-        span = self._start_span(request, call.parent_context, streaming)
+        span = self._start_span(plan, call.parent_context, streaming)
         facts.trace_id = span.trace_id
         # A caller who waits for the whole result is woken once, at the end (``AsyncSink``).
         sink = AsyncSink(eager=streaming)
-        job = Job(request, sink, alone=request.reproducible)
+        job = Job(plan, sink, alone=plan.reproducible)
         finished = False
         try:
             started = time.perf_counter()  # before the worker can emit a token
             self.worker().submit(job)
-            drafter = self.drafter_kind(request.policy)
-            assembler = CallAssembler(request, started, self.decode_text, drafter, streaming)
+            assembler = CallAssembler(plan, started, self.decode_text, streaming)
             while True:
                 got = None
                 with anyio.move_on_after(deadline - anyio.current_time()):
@@ -124,19 +120,19 @@ class CallPath:
         record_call(facts, status, self.engine, self.telemetry.model_name)
 
     def _start_span(
-        self, request: Request, parent: otel_context.Context | None, streaming: bool
+        self, plan: CallPlan, parent: otel_context.Context | None, streaming: bool
     ) -> CallSpan:
-        policy = request.policy
+        policy = plan.policy
         return self.telemetry.start_call(
             policy=policy.name,
             mode=policy.mode,
-            drafter=self.drafter_kind(policy),
-            temperature=request.params.temperature,
-            top_p=request.params.top_p,
-            max_tokens=request.max_new_tokens,
-            seed=request.seed,
+            drafter=plan.drafter.kind,
+            temperature=plan.params.temperature,
+            top_p=plan.params.top_p,
+            max_tokens=plan.max_new_tokens,
+            seed=plan.seed,
             record_content=policy.telemetry.record_content,
-            prompt=request.prompt,
+            prompt=plan.prompt,
             parent=parent,
             streaming=streaming,
         )

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ..decoding.costs import CostBook, CostModel
+from ..decoding.drafters.base import DrafterBlock
 from ..decoding.drafters.predicted import PredictedDrafter
 from ..decoding.engine import Runner
 from ..decoding.history import HistoryStore
@@ -25,8 +26,7 @@ from ..decoding.stopping import StopStrings
 from ..engines import EngineModel, RunnerNeeds
 from ..grammar import prepare
 from ..machine import ProbeStore
-from ..policy import Policy
-from ._admission import Request, drafter_for
+from ._admission import CallPlan
 
 __all__ = ["Decoder"]
 
@@ -110,18 +110,16 @@ class Decoder:
             self.shallow_runners[layers] = runner
         return self.shallow_runners[layers]
 
-    def cost_runner(self, policy: Policy) -> Runner | None:
-        """The model whose forwards drafting costs for ``policy`` (None: a free drafter)."""
-        block = drafter_for(policy, self.draft_runner is not None)
+    def cost_runner(self, block: DrafterBlock) -> Runner | None:
+        """The model whose forwards drafting costs with ``block`` (None: a free drafter)."""
         return DRAFTERS[block.kind].cost_runner(block, self.parts)
 
-    def measurement(self, policies: Sequence[Policy]) -> Generator[None, None, None] | None:
-        """The background measurement of the costs the drafting policies plan with."""
-        has_draft = self.draft_runner is not None
-        drafting = [p for p in policies if DRAFTERS[drafter_for(p, has_draft).kind].drafts]
+    def measurement(self, blocks: Iterable[DrafterBlock]) -> Generator[None, None, None] | None:
+        """The background measurement of the costs the drafting blocks plan with."""
+        drafting = [block for block in blocks if DRAFTERS[block.kind].drafts]
         if not drafting:
             return None
-        return self.costs.measurement([self.cost_runner(p) for p in drafting])
+        return self.costs.measurement([self.cost_runner(block) for block in drafting])
 
     def _reproducible_parts(self, parts: DraftingParts, tokens: int) -> DraftingParts:
         """``parts`` over runners whose forwards depend on nothing other calls hold
@@ -151,15 +149,15 @@ class Decoder:
         """Whether other work waits where the target computes (``EngineModel.compute_wanted``)."""
         return self.target.compute_wanted()
 
-    def kv_need(self, request: Request) -> int:
+    def kv_need(self, plan: CallPlan) -> int:
         """What a call may come to hold of the KV: its prompt, its new tokens and its longest
         draft. A reproducible call counts as much though its KV may be a context of its own
         (llama.cpp): that is memory too, and a flood of such calls must wait its turn like any
         other, not hold KV past the budget beside the calls of the pool."""
-        return len(request.prompt_ids) + request.max_new_tokens + self.costs.longest
+        return len(plan.prompt_ids) + plan.max_new_tokens + self.costs.longest
 
     def background(
-        self, tokenizer: Any | None, policies: Sequence[Policy]
+        self, tokenizer: Any | None, drafters: Iterable[DrafterBlock]
     ) -> Generator[None, None, None]:
         """What the worker does between rounds from its start: the tokenizer's conversion for
         constrained output (a slice of its own: it holds the GIL for about a second, better at
@@ -167,7 +165,7 @@ class Decoder:
         if tokenizer is not None:
             prepare(tokenizer, self.vocab_size, self.eos_token_ids)
             yield
-        measurement = self.measurement(policies)
+        measurement = self.measurement(drafters)
         if measurement is None:
             return
         started, timings = time.perf_counter(), 0
@@ -186,23 +184,22 @@ class Decoder:
                 timings,
             )
 
-    def decode(self, request: Request, device: torch.device) -> DecodeSteps:
+    def decode(self, plan: CallPlan, device: torch.device) -> DecodeSteps:
         """The decoding coroutine of one call."""
-        policy = request.policy
-        block = drafter_for(policy, self.draft_runner is not None)
-        key, history = request.history_key, self.history
+        policy, block = plan.policy, plan.drafter
+        key, history = plan.history_key, self.history
         # KV is reused within the call's tenant only: one tenant's prompts and outputs never
         # seed another's forwards (nor, by timing, tell that they were sent). A call with no
         # tenant reuses none: anonymous callers are not known to be one party.
         prefixes = None
-        if self.prefixes is not None and request.tenant is not None:
-            prefixes = self.prefixes.scoped(request.tenant)
-        call_end = len(request.prompt_ids) + request.max_new_tokens
+        if self.prefixes is not None and plan.tenant is not None:
+            prefixes = self.prefixes.scoped(plan.tenant)
+        call_end = len(plan.prompt_ids) + plan.max_new_tokens
         parts = dataclasses.replace(
-            self.parts, prefixes=prefixes, call_end=call_end, prediction=request.prediction_ids
+            self.parts, prefixes=prefixes, call_end=call_end, prediction=plan.prediction_ids
         )
         target = self.target_runner
-        if request.reproducible:
+        if plan.reproducible:
             # No KV from other calls' forwards, and none beside theirs: either would change
             # its rounding. Its runners plan with the measured costs of the shared ones.
             parts = self._reproducible_parts(parts, call_end + self.costs.longest)
@@ -211,23 +208,18 @@ class Decoder:
             parts = dataclasses.replace(parts, history=history.indexes(key))
         kind = DRAFTERS[block.kind]
         drafter, schedule = kind.build(block, parts)
-        if (
-            request.prediction_ids
-            and drafter is not None
-            and kind.drafts
-            and not kind.reads_history
-        ):
+        if plan.prediction_ids and drafter is not None and kind.drafts and not kind.reads_history:
             # Kinds that read text weigh the prediction themselves (``parts.prediction``).
-            drafter = PredictedDrafter(drafter, schedule, request.prediction_ids, parts.costs(None))
+            drafter = PredictedDrafter(drafter, schedule, plan.prediction_ids, parts.costs(None))
             schedule = FixedSchedule(block.num_speculative_tokens)
         acceptance = policy.acceptance
-        stops: Any = StopStrings(request.stop, self.decode_text) if request.stop else None
+        stops: Any = StopStrings(plan.stop, self.decode_text) if plan.stop else None
         steps = speculative_steps(
             target,
-            request.prompt_ids,
-            params=request.params,
-            generator=make_generator(request.seed, device),
-            max_new_tokens=request.max_new_tokens,
+            plan.prompt_ids,
+            params=plan.params,
+            generator=make_generator(plan.seed, device),
+            max_new_tokens=plan.max_new_tokens,
             drafter=drafter,
             schedule=schedule,
             rule=policy.relaxed_rule(),
@@ -235,12 +227,12 @@ class Decoder:
             eos_token_ids=self.eos_token_ids,
             stop_check=stops.tokens_to_keep if stops is not None else None,
             max_context=self.context_window,
-            constraint=request.grammar,
+            constraint=plan.grammar,
             prefixes=prefixes,
         )
         if key is None or history is None:
             return steps
-        return _recorded(steps, history, key, request.prompt_ids)
+        return _recorded(steps, history, key, plan.prompt_ids)
 
 
 def _recorded(

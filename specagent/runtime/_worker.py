@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -41,6 +41,9 @@ from ..decoding.engine import ForwardRequest, advance
 from ..decoding.loop import DecodeSteps
 from ..errors import GenerationError, RuntimeClosedError, RuntimeOverloadedError, SpecAgentError
 from .portal import current_async_library
+
+if TYPE_CHECKING:
+    from ._admission import CallPlan
 
 __all__ = ["AsyncSink", "Job", "Worker"]
 
@@ -127,8 +130,8 @@ def loop_waker() -> Callable[[Callable[[], None]], None]:
 
 @dataclass
 class Job:
-    request: Any
-    """The validated call (``_admission.Request``)."""
+    plan: CallPlan
+    """The call as admission decided it."""
     sink: AsyncSink
     cancelled: threading.Event = field(default_factory=threading.Event)
     alone: bool = False
@@ -165,7 +168,7 @@ class Worker:
         self.kv_budget = kv_budget
         """KV positions the running calls may hold together (an engine whose calls share one
         pool of cells: llama.cpp); None: no bound here."""
-        self.need = need or (lambda request: 0)
+        self.need = need or (lambda plan: 0)
         """The KV positions a call may come to hold (its prompt, its budget of new tokens and
         its longest draft)."""
         self.reserved = 0
@@ -244,7 +247,7 @@ class Worker:
                         and self._fits(self.inbox[0], bool(starting))
                     ):
                         job = self.inbox.popleft()
-                        job.reserved = self.need(job.request)
+                        job.reserved = self.need(job.plan)
                         self.reserved += job.reserved
                         starting.append(job)
                 self.compute(functools.partial(self._rounds, starting))
@@ -287,7 +290,7 @@ class Worker:
             return True
         if not (self.active or self.waiting or starting):
             return True
-        return self.reserved + self.need(job.request) <= self.kv_budget
+        return self.reserved + self.need(job.plan) <= self.kv_budget
 
     def _background_slice(self) -> None:
         if self.background is None:
@@ -317,7 +320,7 @@ class Worker:
             self._release(job)
             return
         try:
-            job.steps = self.decode(job.request)
+            job.steps = self.decode(job.plan)
         except BaseException as exc:  # one call's failure is that call's alone
             self._release(job)
             job.sink.put(("error", as_generation_error(exc)))

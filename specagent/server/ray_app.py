@@ -194,7 +194,7 @@ class RemoteBackend(Backend):
 
     async def run(self, call: Call, *, streaming: bool = True) -> AsyncGenerator[StreamChunk, None]:
         # PolicyNotFoundError for an unknown name, as the runtime would raise it
-        policy = self.policies.resolve(call.policy, call.tags).name
+        policy = self.policies.resolve(call.policy, call.tags, call.default_policy).name
         handle = self._handles[self.group_of(policy)]
         pinned = dataclasses.replace(call, policy=policy)
         response = handle.options(stream=True).stream.remote(

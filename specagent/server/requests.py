@@ -125,7 +125,6 @@ def call_spec(
     try:
         spec = CallSpec.build(
             to_template_messages(body.messages),
-            backend=backend,
             policy=policy,
             tags=[t.strip() for t in tags],
             tenant=tenant,
@@ -136,6 +135,7 @@ def call_spec(
             stop=body.stop,
             temperature=body.temperature,
             top_p=body.top_p,
+            top_k=body.top_k,
             max_tokens=budget(body.budget, key, options),
             seed=body.seed,
             timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
@@ -194,7 +194,7 @@ def resolved_policy(backend: Backend, call: Call, key: ApiKey) -> str:
     """The policy the backend will run the call under (unknown names: 404, listing only the
     policies the key may use: a restricted key learns nothing of the others)."""
     try:
-        return backend.policies.resolve(call.policy, call.tags).name
+        return backend.policies.resolve(call.policy, call.tags, call.default_policy).name
     except PolicyNotFoundError as exc:
         if "*" in key.policies:
             raise as_api_error(exc) from None

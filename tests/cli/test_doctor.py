@@ -8,9 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from specagent.cli.doctor import run_doctor
 
 
+@pytest.mark.slow  # a child per engine proves it
 def test_doctor_reports_the_machine_and_proves_each_engine(tmp_path) -> None:
     env = {**os.environ, "SPECAGENT_CACHE": str(tmp_path)}
     done = subprocess.run(

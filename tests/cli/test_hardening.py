@@ -16,6 +16,7 @@ from specagent.engines.llama_cpp.probe import _kept_choices, describe_exit
 from specagent.machine import ProbeStore
 
 
+@pytest.mark.slow  # a child process
 def test_the_doctors_child_never_imports_from_the_working_directory(tmp_path, monkeypatch) -> None:
     marker = tmp_path / "planted-ran"
     (tmp_path / "json.py").write_text(

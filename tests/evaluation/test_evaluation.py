@@ -111,6 +111,7 @@ def test_lossless_against_lossless_greedy_is_identical(runtime, similarity) -> N
         assert row.modelled_speed_ratio == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # the whole evaluation
 def test_eval_end_to_end(runtime, similarity, tmp_path: Path) -> None:
     settings = [_policy(), _policy(rule="typical"), _policy(rule="top_k", top_k=3, ratio=0.2)]
     report = evaluate(

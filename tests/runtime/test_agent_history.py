@@ -221,6 +221,7 @@ def test_a_tool_call_under_a_grammar_counts_forced_tokens(target, tokenizer) -> 
     runtime.close()
 
 
+@pytest.mark.slow  # every bench method over the episodes
 def test_agent_bench_on_a_tiny_pair(target, draft, tokenizer, tmp_path) -> None:
     from specagent.measuring.agent_bench import (
         agent_policies,

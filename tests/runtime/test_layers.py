@@ -189,13 +189,15 @@ def test_call_spec_policy_precedence(target, draft, tokenizer) -> None:
     runtime = SpecRuntime(target, draft, tokenizer, [ADAPTIVE, LOOKUP], "cpu")
     messages = [{"role": "user", "content": "hi"}]
 
-    def policy(**kwargs: Any) -> str | None:
-        return CallSpec.build(messages, backend=runtime, **kwargs).call.policy
+    def policy(**kwargs: Any) -> str:
+        call = CallSpec.build(messages, **kwargs).call
+        return runtime.policies.resolve(call.policy, call.tags, call.default_policy).name
 
     assert policy(policy="lookup", default_policy="adaptive") == "lookup"  # named wins
     assert policy(tags=["extract"], default_policy="adaptive") == "lookup"  # tags route
     assert policy(tags=["other"], default_policy="adaptive") == "adaptive"  # else the default
-    assert policy(tags=["extract"]) is None  # no default: the backend routes the tags itself
+    assert policy(tags=["other"]) == runtime.policies.default.name  # else the runtime's
+    assert CallSpec.build(messages, tags=["extract"]).call.policy is None  # chosen at admission
     spec = CallSpec.build(messages, tools=TOOLS, tool_choice="none", stop="END", seed=3)
     assert spec.call.tools is None
     assert spec.call.constraint is None

@@ -577,9 +577,9 @@ async def test_admission_never_pauses_the_event_loop(runtime) -> None:
         def __getattr__(self, name):
             return getattr(real, name)
 
-        def request(self, *args, **kwargs):
+        def plan(self, *args, **kwargs):
             time.sleep(0.6)
-            return real.request(*args, **kwargs)
+            return real.plan(*args, **kwargs)
 
     runtime._calls.admission = Slow()
     gaps: list[float] = []

@@ -165,6 +165,7 @@ def test_audit_required_refuses_calls_while_the_store_cannot_record(
     store.close()
 
 
+@pytest.mark.slow  # a server process
 def test_serve_speaks_https_with_its_certificate(tmp_path: Path) -> None:
     trustme = pytest.importorskip("trustme")
     authority = trustme.CA()

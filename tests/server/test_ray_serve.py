@@ -223,7 +223,7 @@ def test_a_call_refused_for_its_input_is_not_retried(cluster: dict) -> None:
     serve.run(_RefusesItsInput.bind(), name="refusing", route_prefix=None)
     handle = serve.get_deployment_handle("_RefusesItsInput", app_name="refusing")
     backend = RemoteBackend("tiny", shipped_policies(), {"default": handle})
-    spec = CallSpec.build(PROMPTS[0], backend=backend, max_tokens=2)
+    spec = CallSpec.build(PROMPTS[0], max_tokens=2)
 
     async def run() -> None:
         async for _ in run_call(backend, spec):

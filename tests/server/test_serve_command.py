@@ -20,6 +20,7 @@ from live_server import free_port, wait_until_up
 KEY = "env-key-0123456789abcdefghij"
 
 
+@pytest.mark.slow  # server processes
 def test_serve_refuses_to_start_without_keys(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "SPECAGENT_API_KEYS"}
     done = subprocess.run(
@@ -33,6 +34,7 @@ def test_serve_refuses_to_start_without_keys(tmp_path: Path) -> None:
     assert "no API keys configured" in done.stderr
 
 
+@pytest.mark.slow  # a server process
 def test_serve_drains_on_sigterm(tmp_path: Path) -> None:
     model_dir = tmp_path / "tiny"
     model = make_model(len(make_tokenizer()), seed=4, max_positions=4096)

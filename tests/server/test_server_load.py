@@ -95,6 +95,7 @@ def wait_idle(live: Live) -> None:
 
 # A client that hangs up leaves the openai client's own SSE iterator (an httpx async generator)
 # for the garbage collector; that is the client library's, not the server's.
+@pytest.mark.slow  # 64 streams, then each alone
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_64_concurrent_streams_equal_each_call_alone_then_random_hang_ups(live: Live) -> None:
     expected = alone(live)

@@ -31,6 +31,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from specagent import IncompleteOutputError, SpecRuntime, load_policies, shipped_policies
 from specagent.backend import Backend
 from specagent.calls import CallSpec, run_call, split_model, tool_choice_name
+from specagent.policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopP
 from specagent.runtime.portal import iterate_sync
 
 from ._structured import structured_output
@@ -115,17 +116,20 @@ class ChatSpecAgent(BaseChatModel):
     """Default policy name; a call's config metadata (``specagent_policy``) or tags override it."""
     model_name: str | None = Field(default=None, alias="model")
     """Name reported to LangSmith and in response metadata (default: the runtime's)."""
-    temperature: float | None = None
+    # The sampling fields as a policy declares them (``specagent.policy.sampling``); None:
+    # the policy's own.
+    temperature: Temperature | None = None
     """Overrides the policy's temperature (never its mode)."""
-    top_p: float | None = None
-    max_tokens: int | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    max_tokens: MaxNewTokens | None = None
     """Most new tokens per call (the policy's ``max_new_tokens`` when unset)."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     timeout: float | None = None
     """Seconds per call, queueing included."""
     max_retries: int = 2
     """Retries when the runtime is overloaded or a decoding step failed, before any output."""
-    seed: int | None = None
+    seed: Seed | None = None
     tenant: str | None = None
     """Who this model's calls are for: policies that draft from earlier calls' text, and the
     prefix cache, share only within a tenant; calls with no tenant share nothing. When set, a
@@ -358,7 +362,6 @@ class ChatSpecAgent(BaseChatModel):
         stops = list(stop or []) + list(kwargs.pop("stop", None) or []) + list(self.stop or [])
         call = CallSpec.build(
             [to_chat_message(m) for m in messages],
-            backend=backend,
             policy=kwargs.pop("policy", None)
             or metadata.get(POLICY_METADATA_KEY)
             or model_policy
@@ -372,6 +375,7 @@ class ChatSpecAgent(BaseChatModel):
             stop=stops,
             temperature=kwargs.pop("temperature", self.temperature),
             top_p=kwargs.pop("top_p", self.top_p),
+            top_k=kwargs.pop("top_k", self.top_k),
             max_tokens=kwargs.pop("max_tokens", self.max_tokens),
             seed=kwargs.pop("seed", self.seed),
             timeout=kwargs.pop("timeout", self.timeout),

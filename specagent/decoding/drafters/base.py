@@ -41,7 +41,8 @@ def run_inline(steps: Generator[ForwardRequest, torch.Tensor | None, T]) -> T:
     try:
         item = advance(steps, None, inline=True)
     except StopIteration as stop:
-        return stop.value
+        value: T = stop.value
+        return value
     raise TypeError(f"a drafting coroutine yielded {type(item).__name__}, not a forward request")
 
 

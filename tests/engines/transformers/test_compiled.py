@@ -52,9 +52,10 @@ def counted_runner(model: torch.nn.Module) -> tuple[ModelRunner, Graphs]:
     return runner, graphs
 
 
-@pytest.fixture(params=["sdpa", "eager"])
+@pytest.fixture(params=["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def small(request: pytest.FixtureRequest) -> torch.nn.Module:
-    """A Llama with sdpa (a boolean mask) and with eager attention (an additive one)."""
+    """A Llama with sdpa (a boolean mask) and with eager attention (an additive one; with
+    ``--full``: tracing each again takes seconds)."""
     model = make_model(VOCAB, layers=2, seed=3, hidden=64, max_positions=4096)
     model.config._attn_implementation = request.param
     return model
