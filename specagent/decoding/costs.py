@@ -354,14 +354,16 @@ class CostBook:
         self.longest = longest
         self.store = store
         self._verify: tuple[float, ...] | None = None
-        self._drafts: dict[int, tuple[float, ...]] = {}
+        self._drafts: dict[Runner, tuple[float, ...]] = {}
+        """Each drafting runner's curve, keyed by the runner itself (the book holds it: a key
+        never names another runner made later in a freed one's place, as an ``id`` would)."""
         self._lock = threading.RLock()
 
     def covers(self, longest: int) -> bool:
         return self.longest >= longest
 
     def is_measured(self, draft: Runner | None) -> bool:
-        return self._verify is not None and (draft is None or id(draft) in self._drafts)
+        return self._verify is not None and (draft is None or draft in self._drafts)
 
     def model(self, draft: Runner | None) -> CostModel:
         """The measured costs of drafting with ``draft`` (None: a free drafter), or the prior
@@ -388,11 +390,11 @@ class CostBook:
 
     def _assemble(self, draft: Runner | None) -> CostModel:
         assert self._verify is not None
-        drafts = self._drafts.get(id(draft), ()) if draft is not None else ()
+        drafts = self._drafts.get(draft, ()) if draft is not None else ()
         return CostModel(draft_step=drafts[0] if drafts else 0.0, verify=self._verify, draft=drafts)
 
     def _done(self, what: str, runner: Runner) -> bool:
-        return self._verify is not None if what == "verify" else id(runner) in self._drafts
+        return self._verify is not None if what == "verify" else runner in self._drafts
 
     def _curve(
         self, what: str, runner: Runner, draft: Runner | None
@@ -434,4 +436,4 @@ class CostBook:
         if what == "verify":
             self._verify = costs
         else:
-            self._drafts[id(runner)] = costs
+            self._drafts[runner] = costs

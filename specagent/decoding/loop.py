@@ -379,7 +379,7 @@ def _kept(
     (a concurrent call with the same prompt, or this one's next turn should it fail); returns
     what is left unfed (nothing)."""
     if prefixes is not None:
-        prefixes.store(id(target), context[:-1], cache)
+        prefixes.store(target, context[:-1], cache)
     return []
 
 
@@ -394,7 +394,7 @@ def _keep_for_later(
     resends this conversation and prefills only what it adds. The cache is not used again, so it
     is kept without a copy; the drafter leaves its own the same way."""
     crop_to(cache, len(context) - 1)  # the cache may hold accepted tokens cut at a stop
-    prefixes.store(id(target), context[:-1], cache, copy=False)
+    prefixes.store(target, context[:-1], cache, copy=False)
     if drafter is not None:
         drafter.leave_cache()
 

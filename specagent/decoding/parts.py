@@ -4,7 +4,7 @@ that drafters can name these types without importing the registry that imports t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,18 +16,20 @@ __all__ = ["DraftingParts", "Prefixes"]
 
 
 class Prefixes(Protocol):
-    """Where a call finds and leaves KV for later calls (``PrefixCache`` or one scope of it)."""
+    """Where a call finds and leaves KV for later calls (``PrefixCache`` or one scope of it).
+    ``owner``: the runner whose KV it is (target, draft, early-exit view: their KV differ),
+    itself, never its ``id`` (a runner made later could be given a freed one's)."""
 
-    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+    def lookup(self, owner: Runner, tokens: Sequence[int]) -> tuple[Any | None, int]:
         """A private copy of the KV of the longest kept prefix of ``tokens``, and its length."""
         ...
 
-    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+    def matched(self, owner: Runner, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` ``lookup`` would find kept (no copy made, nothing counted)."""
         ...
 
     def store(
-        self, owner: Hashable, tokens: Sequence[int], cache: Any, *, copy: bool = True
+        self, owner: Runner, tokens: Sequence[int], cache: Any, *, copy: bool = True
     ) -> None:
         """Keep the KV of ``tokens``, which ``cache`` holds as its first positions (a copy cut
         to them; ``copy=False``: ``cache`` itself, which then holds exactly them)."""

@@ -31,7 +31,7 @@ def reuse_prefix(
     """A cache for ``runner`` holding the longest kept prefix of ``tokens`` (empty when none is
     kept), and that prefix's length. Nothing is computed: the caller feeds the rest with its
     first forward (then ``Prefixes.store`` keeps the whole for later calls)."""
-    cache, reused = prefixes.lookup(id(runner), tokens) if prefixes is not None else (None, 0)
+    cache, reused = prefixes.lookup(runner, tokens) if prefixes is not None else (None, 0)
     return (runner.new_cache() if cache is None else runner.adopt(cache)), reused
 
 
@@ -81,13 +81,13 @@ class PrefixCache:
         """The view of this cache that one scope (a tenant) reads and writes."""
         return PrefixScope(self, scope)
 
-    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+    def lookup(self, owner: object, tokens: Sequence[int]) -> tuple[Any | None, int]:
         """A private copy of the KV of the longest kept prefix of ``tokens`` (for ``owner``), and
         its length; ``(None, 0)`` when no kept entry shares ``min_tokens`` or more."""
         with self._lock:
             return self._lookup(owner, tokens)
 
-    def _lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+    def _lookup(self, owner: object, tokens: Sequence[int]) -> tuple[Any | None, int]:
         best_key, best_len = self._longest(owner, tokens)
         if best_key is None:
             return None, 0
@@ -101,14 +101,14 @@ class PrefixCache:
         self.reused_tokens += best_len
         return cache, best_len
 
-    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+    def matched(self, owner: object, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` ``lookup`` would find kept: what a drafter weighs before it
         decides to catch up (no copy made, no hit counted)."""
         with self._lock:
             return self._longest(owner, tokens)[1]
 
     def _longest(
-        self, owner: Hashable, tokens: Sequence[int]
+        self, owner: object, tokens: Sequence[int]
     ) -> tuple[tuple[Hashable, tuple[int, ...]] | None, int]:
         best_key, best_len = None, 0
         for key in self._entries:
@@ -122,7 +122,7 @@ class PrefixCache:
         return best_key, best_len
 
     def store(
-        self, owner: Hashable, tokens: Sequence[int], cache: Any, *, copy: bool = True
+        self, owner: object, tokens: Sequence[int], cache: Any, *, copy: bool = True
     ) -> None:
         """Keep the KV of ``tokens``, which ``cache`` holds as its first positions: a copy cut to
         them (made only when the entry is kept), or (``copy=False``, for a cache its call no
@@ -132,7 +132,7 @@ class PrefixCache:
         with self._lock:
             self._store(owner, tuple(tokens), cache, copy)
 
-    def _store(self, owner: Hashable, tokens: tuple[int, ...], cache: Any, copy: bool) -> None:
+    def _store(self, owner: object, tokens: tuple[int, ...], cache: Any, copy: bool) -> None:
         key = (owner, tokens)
         if key in self._entries:
             self._entries.move_to_end(key)
@@ -224,15 +224,15 @@ class Scoped(NamedTuple):
     """An owner within a scope: what ``PrefixScope`` files its entries under."""
 
     scope: Hashable
-    owner: Hashable
+    owner: object
 
 
-def _tenant_of(owner: Hashable) -> Hashable:
+def _tenant_of(owner: object) -> Hashable:
     """The scope (a tenant) an entry was stored through (unscoped owners share one)."""
     return owner.scope if isinstance(owner, Scoped) else None
 
 
-def _principal_of(owner: Hashable) -> Hashable:
+def _principal_of(owner: object) -> Hashable:
     """Whose budget an entry draws on: its tenant's principal."""
     tenant = _tenant_of(owner)
     return tenant.principal if isinstance(tenant, Tenant) else tenant
@@ -246,14 +246,14 @@ class PrefixScope:
         self.cache = cache
         self.scope = scope
 
-    def lookup(self, owner: Hashable, tokens: Sequence[int]) -> tuple[Any | None, int]:
+    def lookup(self, owner: object, tokens: Sequence[int]) -> tuple[Any | None, int]:
         return self.cache.lookup(Scoped(self.scope, owner), tokens)
 
-    def matched(self, owner: Hashable, tokens: Sequence[int]) -> int:
+    def matched(self, owner: object, tokens: Sequence[int]) -> int:
         return self.cache.matched(Scoped(self.scope, owner), tokens)
 
     def store(
-        self, owner: Hashable, tokens: Sequence[int], cache: Any, *, copy: bool = True
+        self, owner: object, tokens: Sequence[int], cache: Any, *, copy: bool = True
     ) -> None:
         self.cache.store(Scoped(self.scope, owner), tokens, cache, copy=copy)
 

@@ -69,9 +69,9 @@ def test_a_prompt_the_draft_holds_already_is_cheap_to_catch_up(target, draft) ->
     runner, prefixes = ModelRunner(draft), PrefixCache()
     earlier = runner.new_cache()
     runner.forward(ids[:-1], earlier, keep=1)
-    prefixes.store(id(runner), ids[:-1], earlier)
+    prefixes.store(runner, ids[:-1], earlier)
     drafter = DraftModelDrafter(runner, prefixes, costs=COSTS, call_end=len(ids) + 8)
-    assert prefixes.matched(id(runner), ids[:-1]) == len(ids) - 1
+    assert prefixes.matched(runner, ids[:-1]) == len(ids) - 1
     hits = prefixes.hits
     last = decode(target, ids, drafter, 8)
     assert last.output_ids == hf_greedy(target, ids, 8)

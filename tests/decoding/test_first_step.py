@@ -94,9 +94,9 @@ def test_a_stored_prompt_is_exactly_the_prompts_kv(target) -> None:
     prompt = list(range(5, 45))
     cache = runner.new_cache()
     runner.forward([*prompt, 7, 8, 9], cache, keep=4)  # a prompt, its last token, two drafts
-    prefixes.store(id(runner), prompt, cache)  # a copy cut to the prompt
+    prefixes.store(runner, prompt, cache)  # a copy cut to the prompt
     assert cache.get_seq_length() == len(prompt) + 3  # the call's own cache is untouched
-    kept, length = prefixes.lookup(id(runner), [*prompt, 11])
+    kept, length = prefixes.lookup(runner, [*prompt, 11])
     assert length == len(prompt)
     assert kept is not None
     assert kept.get_seq_length() == len(prompt)

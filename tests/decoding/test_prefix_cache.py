@@ -19,22 +19,22 @@ def test_lookup_store_and_eviction(target) -> None:
     tokens = list(range(10, 50))
     kv = runner.new_cache()
     runner.forward(tokens, kv, keep=1)
-    cache.store(id(runner), tokens, kv)
-    hit, n = cache.lookup(id(runner), [*tokens[:30], 99, 98])
+    cache.store(runner, tokens, kv)
+    hit, n = cache.lookup(runner, [*tokens[:30], 99, 98])
     assert n == 30
     assert hit is not None
     assert hit.get_seq_length() == 30
     assert kv.get_seq_length() == 40  # the kept entry is untouched by the copy's crop
-    assert cache.lookup(id(runner), [1, 2, 3, 4, 5]) == (None, 0)
-    assert cache.lookup(id(runner) + 1, tokens) == (None, 0)  # another model's KV never matches
-    assert cache.lookup(id(runner), [*tokens[:3], 7]) == (None, 0)  # below min_tokens
+    assert cache.lookup(runner, [1, 2, 3, 4, 5]) == (None, 0)
+    assert cache.lookup(object(), tokens) == (None, 0)  # another model's KV never matches
+    assert cache.lookup(runner, [*tokens[:3], 7]) == (None, 0)  # below min_tokens
     for start in (100, 200):  # two more 40-token entries: the oldest is evicted (100 tokens max)
         other = list(range(start, start + 40))
         kv2 = runner.new_cache()
         runner.forward(other, kv2, keep=1)
-        cache.store(id(runner), other, kv2)
+        cache.store(runner, other, kv2)
     assert len(cache) == 2
-    assert cache.lookup(id(runner), tokens)[1] == 0
+    assert cache.lookup(runner, tokens)[1] == 0
 
 
 def test_an_entry_a_longer_one_holds_is_dropped(target) -> None:
@@ -44,16 +44,16 @@ def test_an_entry_a_longer_one_holds_is_dropped(target) -> None:
     tokens = list(range(10, 70))
     kv = runner.new_cache()
     runner.forward(tokens[:40], kv, keep=1)
-    cache.store(id(runner), tokens[:40], kv)
+    cache.store(runner, tokens[:40], kv)
     runner.forward(tokens[40:], kv, keep=1)
-    cache.store(id(runner), tokens, kv, copy=False)
+    cache.store(runner, tokens, kv, copy=False)
     assert len(cache) == 1
     assert cache.size == 60
-    hit, n = cache.lookup(id(runner), [*tokens, 5])
+    hit, n = cache.lookup(runner, [*tokens, 5])
     assert n == 60
     assert hit is not kv  # lookups always copy
     other = cache.scoped("tenant-b")
-    assert other.lookup(id(runner), tokens) == (None, 0)  # another scope sees nothing
+    assert other.lookup(runner, tokens) == (None, 0)  # another scope sees nothing
     cache.clear()
     assert len(cache) == 0
     assert cache.size == 0
@@ -73,20 +73,20 @@ def test_one_tenants_prompts_never_flush_another_tenants_prefixes(target) -> Non
         return kv
 
     kept = list(range(10, 50))
-    quiet.store(id(runner), kept, kv_of(kept))
+    quiet.store(runner, kept, kv_of(kept))
     for start in range(60, 300, 40):  # six 40-token prompts: 240 tokens of the loud tenant's
         prompt = list(range(start, start + 40))
-        loud.store(id(runner), prompt, kv_of(prompt))
+        loud.store(runner, prompt, kv_of(prompt))
     assert cache.size <= 200
-    assert quiet.lookup(id(runner), [*kept, 3])[1] == 40
-    assert loud.lookup(id(runner), list(range(260, 300)))[1] == 40  # its newest stays
-    assert loud.lookup(id(runner), list(range(60, 100)))[1] == 0  # its oldest went
+    assert quiet.lookup(runner, [*kept, 3])[1] == 40
+    assert loud.lookup(runner, list(range(260, 300)))[1] == 40  # its newest stays
+    assert loud.lookup(runner, list(range(60, 100)))[1] == 0  # its oldest went
     assert cache.evict_oldest()  # an engine short of room takes from the largest scope too
-    assert quiet.lookup(id(runner), kept)[1] == 40
+    assert quiet.lookup(runner, kept)[1] == 40
     alone = PrefixCache(max_tokens=200, min_tokens=4)
     for start in range(60, 300, 40):
         prompt = list(range(start, start + 40))
-        alone.scoped("a").store(id(runner), prompt, kv_of(prompt))
+        alone.scoped("a").store(runner, prompt, kv_of(prompt))
     assert alone.size == 200
 
 
@@ -96,8 +96,8 @@ def test_reused_kv_equals_recomputed_kv(target) -> None:
     prompt = list(range(5, 60))
     kv = runner.new_cache()
     runner.forward(prompt, kv, keep=1)
-    prefixes.store(id(runner), prompt, kv)
-    reused, n = prefixes.lookup(id(runner), [*prompt[:50], 3, 4])
+    prefixes.store(runner, prompt, kv)
+    reused, n = prefixes.lookup(runner, [*prompt[:50], 3, 4])
     assert n == 50
     fresh = runner.new_cache()
     runner.forward(prompt[:50], fresh, keep=1)
@@ -225,7 +225,7 @@ def test_a_kept_prefix_continues_as_the_whole_prompt_would_on_every_engine(engin
     prompt = [3, 7, 3, 7, 3, 4, 5, 6, 4, 5]
     kv = runner.new_cache()
     runner.forward(prompt, kv, keep=1)
-    cache.scoped("t").store(id(runner), prompt, kv)
+    cache.scoped("t").store(runner, prompt, kv)
     longer = [*prompt[:8], 9, 10, 11]
     copied, reused = reuse_prefix(runner, longer, cache.scoped("t"))
     assert reused == 8
@@ -235,3 +235,21 @@ def test_a_kept_prefix_continues_as_the_whole_prompt_would_on_every_engine(engin
     whole = runner.forward(longer, runner.new_cache(), keep=1)
     torch.testing.assert_close(resumed, whole, atol=1e-4, rtol=1e-4)
     assert reuse_prefix(runner, longer, cache.scoped("other"))[1] == 0  # no other scope's KV
+
+
+def test_a_runner_made_later_never_finds_a_dropped_runners_kv(target) -> None:
+    """Entries are filed under the runner itself, neither its address (a runner made after
+    another was dropped, as one is for each reproducible call, may be given it) nor its model
+    (another runner over the same weights may lay out its KV otherwise)."""
+    import gc
+
+    cache = PrefixCache(max_tokens=1000, min_tokens=4)
+    tokens = list(range(10, 30))
+    first = ModelRunner(target)
+    kv = first.new_cache()
+    first.forward(tokens, kv, keep=1)
+    cache.store(first, tokens, kv)
+    del first, kv
+    gc.collect()
+    for _ in range(10):
+        assert cache.lookup(ModelRunner(target), tokens) == (None, 0)

@@ -127,7 +127,7 @@ class DraftModelDrafter(StepwiseDrafter):
             self.draft_forwards += 1
             self._cached.extend(fed)
             if prompt and self._prefixes is not None:
-                self._prefixes.store(id(self.runner), context[:prompt], self.cache)
+                self._prefixes.store(self.runner, context[:prompt], self.cache)
                 prompt = 0
             go_on = True
             agreed = missed = 0
@@ -227,7 +227,7 @@ class DraftModelDrafter(StepwiseDrafter):
                 raise RuntimeError("a draft forward request must be answered with its logits")
             self.draft_forwards += 1
             if prompt and self._prefixes is not None:
-                self._prefixes.store(id(self.runner), context[:prompt], self.cache)
+                self._prefixes.store(self.runner, context[:prompt], self.cache)
                 prompt = 0
             row = logits[-1]
             if params.greedy:
@@ -284,7 +284,7 @@ class DraftModelDrafter(StepwiseDrafter):
             # stays the prior (only the draft's own drafts move it).
             return False
         if self._prefixes is not None and len(context) > 1:
-            seen = self._prefixes.matched(id(self.runner), context[:-1])
+            seen = self._prefixes.matched(self.runner, context[:-1])
         else:
             seen = 0
         unseen = len(context) - 1 - seen
@@ -305,7 +305,7 @@ class DraftModelDrafter(StepwiseDrafter):
         next call on the same conversation prefills only what is new (no copy: the call is
         over)."""
         if self._prefixes is not None and self._cached:
-            self._prefixes.store(id(self.runner), list(self._cached), self.cache, copy=False)
+            self._prefixes.store(self.runner, list(self._cached), self.cache, copy=False)
             self.cache, self._cached = self.runner.new_cache(), []
 
     def _guess(self, context: list[int], limit: int) -> list[int]:
