@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
 from functools import lru_cache
@@ -22,7 +23,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ProbeStore", "config_key", "machine_info", "machine_kind", "python_child"]
+__all__ = [
+    "ProbeStore",
+    "config_key",
+    "describe_exit",
+    "machine_info",
+    "machine_kind",
+    "python_child",
+]
 
 _ISA_FLAGS = (
     "avx",
@@ -193,3 +201,25 @@ def python_child(code: str) -> list[str]:
     if path and path[0] in ("", ".", os.getcwd()):
         path = path[1:]
     return [sys.executable, "-I", "-c", f"import sys\nsys.path[:] = {path!r}\n{code}"]
+
+
+def describe_exit(stage: str, code: int | None, stderr: str) -> str:
+    """How a child process ended that did not finish: ``crashed in STAGE (signal 11,
+    SIGSEGV)``, ``failed in STAGE (its last error line)``, ``hung in STAGE (...)``."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return f"crashed {_at(stage)} (signal {-code}, {name})"
+    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
+    detail = last[:200] if last else f"exit status {code}"
+    if code is None:
+        return f"hung {_at(stage)} ({detail})"
+    if "ModuleNotFoundError" in stderr or "ImportError" in stderr:
+        return f"failed {_at(stage)}: the child process could not import a module ({detail})"
+    return f"failed {_at(stage)} ({detail})"
+
+
+def _at(stage: str) -> str:
+    return stage if stage.startswith(("loading", "creating", "starting")) else f"in {stage}"

@@ -126,7 +126,7 @@ CALL_PATH = sorted(
 def test_the_runtime_and_front_doors_reach_engines_through_their_seam(path: Path) -> None:
     """No engine's internals (``specagent.engines.transformers``, ``engines.llama_cpp``) and no
     measuring tool on a call's path: a new engine is one package and one registry line."""
-    seam = ("specagent.engines", "specagent.engines.base")
+    seam = ("specagent.engines", "specagent.engines.base", "specagent.engines.tools")
     reached = {
         m
         for m in _runtime_imports(path)
@@ -134,3 +134,45 @@ def test_the_runtime_and_front_doors_reach_engines_through_their_seam(path: Path
         or m.startswith("specagent.measuring")
     }
     assert not reached, f"{path.name} imports {sorted(reached)}"
+
+
+OUTSIDE_ENGINES = sorted(p for p in PACKAGE.rglob("*.py") if "engines" not in p.parts)
+ENGINE_NAMES = {"transformers", "llama.cpp"}
+
+
+@pytest.mark.parametrize("path", OUTSIDE_ENGINES, ids=_module_name)
+def test_nothing_outside_the_engines_reaches_into_one_or_branches_on_its_name(path: Path) -> None:
+    """The doctor, the benchmarks and the command line too: what differs by engine is the
+    engine's to say (``engines.tools.EngineTools``, ``EngineModel.capabilities``), never an
+    ``if engine == "..."`` nor an import of an engine's own modules."""
+    seam = ("specagent.engines", "specagent.engines.base", "specagent.engines.tools")
+    internals = {
+        m for m in _runtime_imports(path) if m.startswith("specagent.engines.") and m not in seam
+    }
+    assert not internals, f"{path.name} imports {sorted(internals)}"
+    branches = [
+        ast.unparse(node)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Compare)
+        and any(
+            isinstance(side, ast.Constant) and side.value in ENGINE_NAMES
+            for side in [node.left, *node.comparators]
+        )
+    ]
+    assert not branches, f"{path.name} branches on an engine's name: {branches}"
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_NAMES))
+def test_each_engines_tools_are_the_seams(engine: str) -> None:
+    """Each engine's ``tools`` module has every member of ``EngineTools``, with its
+    parameters."""
+    import inspect
+
+    from specagent.engines.tools import EngineTools, engine_tools
+
+    tools = engine_tools(engine)
+    for name, member in inspect.getmembers(EngineTools, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        wanted = [p for p in inspect.signature(member).parameters if p != "self"]
+        assert list(inspect.signature(getattr(tools, name)).parameters) == wanted, name

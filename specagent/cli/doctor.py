@@ -6,9 +6,11 @@ versions, and proves each engine here without fetching anything, each in a child
 that a native crash is reported, never suffered:
 
 - transformers: a tiny seeded model's forwards of 1, 2 and 16 tokens in float32 and bfloat16;
-- llama.cpp: a small quantized GGUF written on the spot (``engines.llama_cpp.sample``, whose
-  matrices llama.cpp repacks) through the engine's probe (``engines.llama_cpp.probe``), which
-  says which fast paths run here and which crashed, with the signal.
+- llama.cpp: a small quantized GGUF written on the spot, whose matrices llama.cpp repacks,
+  through the engine's probe, which says which fast paths run here and which crashed, with the
+  signal.
+
+Each engine's check is its own (``engines.tools.EngineTools.check``).
 
 Then what earlier runs measured and chose on this machine (``machine.ProbeStore``): dtype
 choices, compiled steps, llama.cpp's fast paths per model file, step-cost curves. The exit
@@ -19,34 +21,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 __all__ = ["doctor_report", "run_doctor"]
-
-TRANSFORMERS_CHECK = """
-import json, sys, torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-results = {}
-for name in ("float32", "bfloat16"):
-    print(json.dumps({"stage": f"{name} forwards"}), flush=True)
-    model = LlamaForCausalLM(config).to(getattr(torch, name)).eval()
-    with torch.no_grad():
-        for n in (1, 2, 16):
-            logits = model(torch.arange(n)[None] % 128).logits
-            assert torch.isfinite(logits.float()).all(), f"{name}: logits not finite"
-    results[name] = "ok"
-print(json.dumps({"done": results}), flush=True)
-"""
-"""The transformers engine's check, run in a child: a seeded tiny Llama in each dtype."""
 
 
 def _memory_gib() -> float | None:
@@ -72,73 +51,6 @@ def machine_section() -> dict[str, Any]:
     info["usable_cores"] = _usable_cores()
     info["memory_gib"] = _memory_gib()
     return info
-
-
-def check_transformers() -> dict[str, Any]:
-    """Whether torch and transformers run a model's forwards here (in a child process)."""
-    from ..engines.llama_cpp.probe import describe_exit
-    from ..machine import _installed, python_child
-
-    found = {"transformers": _installed("transformers"), "torch": _installed("torch")}
-    if not all(found.values()):
-        return {**found, "runs": False, "detail": "not installed"}
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(
-            python_child(TRANSFORMERS_CHECK),
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        stdout, stderr, code = done.stdout, done.stderr, done.returncode
-    except subprocess.TimeoutExpired:
-        stdout, stderr, code = "", "did not finish within 600 s", None
-    seconds = round(time.perf_counter() - started, 1)
-    stage, results = "starting", None
-    for line in stdout.splitlines():
-        try:
-            said = json.loads(line)
-        except ValueError:
-            continue
-        stage = said.get("stage", stage)
-        results = said.get("done", results)
-    if code == 0 and results:
-        detail = (
-            "a tiny model's forwards of 1, 2 and 16 tokens ran in float32 and bfloat16 "
-            f"in a child process ({seconds} s)"
-        )
-        return {**found, "runs": True, "detail": detail}
-    return {**found, "runs": False, "detail": describe_exit(stage, code, stderr)}
-
-
-def check_llama_cpp() -> dict[str, Any]:
-    """Whether llama.cpp runs a quantized model here, and which of its fast paths do: the
-    engine's own probe on a sample GGUF, in child processes, with nothing kept."""
-    from ..engines.llama_cpp import available, build_info, default_threads
-    from ..errors import ModelLoadError
-
-    if not available():
-        return {"runs": False, "detail": 'not installed (pip install "specagent[gguf]")'}
-    from ..engines.llama_cpp.probe import choose_fast_paths
-    from ..engines.llama_cpp.sample import write_sample_gguf
-
-    described: dict[str, Any] = {**build_info()}
-    try:
-        with tempfile.TemporaryDirectory(prefix="specagent-doctor-") as folder:
-            sample = write_sample_gguf(Path(folder) / "sample-q8_0.gguf", "Q8_0")
-            paths = choose_fast_paths(
-                sample, {}, threads=default_threads(), batch_tokens=512, store=None
-            )
-    except ModelLoadError as exc:
-        return {**described, "runs": False, "detail": str(exc)}
-    described["fast_paths"] = {n: c.to_json() for n, c in paths.choices.items()}
-    described["runs"] = True
-    described["detail"] = (
-        f"a quantized (Q8_0) sample model ran every forward shape of the engine in child "
-        f"processes ({paths.probe_s:.1f} s)"
-    )
-    return described
 
 
 def recorded_section() -> dict[str, Any]:
@@ -176,7 +88,11 @@ def doctor_report(
     checks: dict[str, Callable[[], dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The whole report as data (``--json`` prints it as it is)."""
-    checks = checks or {"transformers": check_transformers, "llama.cpp": check_llama_cpp}
+    if checks is None:
+        from ..engines import LOADERS
+        from ..engines.tools import engine_tools
+
+        checks = {name: engine_tools(name).check for name in LOADERS}
     return {
         "machine": machine_section(),
         "engines": {name: check() for name, check in checks.items()},

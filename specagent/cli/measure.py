@@ -20,7 +20,7 @@ __all__ = ["bench_command", "eval_command", "tune_command"]
 
 
 def bench_command(args: argparse.Namespace) -> int:
-    from ..llama_server import llama_server_methods
+    from ..engines.tools import engine_tools
     from ..runtime import SpecRuntime
 
     target, draft = target_and_draft(args)
@@ -45,20 +45,15 @@ def bench_command(args: argparse.Namespace) -> int:
         f"{args.pair or Path(target).name}_{machine_kind()}"
     )
     max_new_tokens = args.max_new_tokens or workload.max_new_tokens
-    with llama_server_methods(runtime, max_new_tokens, args.llama_server) as servers:
-        if runtime.engine == "llama.cpp" and not servers:
-            print(
-                "no llama-server binary found: its baselines are left out "
-                "(--llama-server PATH, or `python benchmarks/llama_server.py build`)",
-                file=sys.stderr,
-            )
+    tools = engine_tools(runtime.engine)
+    with tools.other_programs(runtime, max_new_tokens, args.llama_server) as others:
         written = workload.run(
             runtime,
             args,
             max_new_tokens=max_new_tokens,
             target_name=Path(target).name,
             draft_name=Path(draft).name if draft else None,
-            baselines=servers,
+            baselines=others,
             stem=stem,
         )
     runtime.close()

@@ -28,9 +28,7 @@ class Prefixes(Protocol):
         """How many of ``tokens`` ``lookup`` would find kept (no copy made, nothing counted)."""
         ...
 
-    def store(
-        self, owner: Runner, tokens: Sequence[int], cache: Any, *, copy: bool = True
-    ) -> None:
+    def store(self, owner: Runner, tokens: Sequence[int], cache: Any, *, copy: bool = True) -> None:
         """Keep the KV of ``tokens``, which ``cache`` holds as its first positions (a copy cut
         to them; ``copy=False``: ``cache`` itself, which then holds exactly them)."""
         ...

@@ -121,9 +121,7 @@ class PrefixCache:
             return None, 0
         return best_key, best_len
 
-    def store(
-        self, owner: object, tokens: Sequence[int], cache: Any, *, copy: bool = True
-    ) -> None:
+    def store(self, owner: object, tokens: Sequence[int], cache: Any, *, copy: bool = True) -> None:
         """Keep the KV of ``tokens``, which ``cache`` holds as its first positions: a copy cut to
         them (made only when the entry is kept), or (``copy=False``, for a cache its call no
         longer uses and that holds exactly them) the cache itself."""
@@ -252,9 +250,7 @@ class PrefixScope:
     def matched(self, owner: object, tokens: Sequence[int]) -> int:
         return self.cache.matched(Scoped(self.scope, owner), tokens)
 
-    def store(
-        self, owner: object, tokens: Sequence[int], cache: Any, *, copy: bool = True
-    ) -> None:
+    def store(self, owner: object, tokens: Sequence[int], cache: Any, *, copy: bool = True) -> None:
         self.cache.store(Scoped(self.scope, owner), tokens, cache, copy=copy)
 
 

@@ -46,9 +46,9 @@ LOADERS: Mapping[str, str] = {
     "transformers": "specagent.engines.transformers.loading",
     "llama.cpp": "specagent.engines.llama_cpp.loading",
 }
-"""Each engine's loading module (its ``load_pair(LoadRequest) -> Loaded``): a new engine is
-its package and one line here (and, for ``engine="auto"`` to pick it, a rule in
-``choose_engine``)."""
+"""Each engine's loading module (its ``load_pair(LoadRequest) -> Loaded``; beside it, the
+package's ``tools``, ``engines.tools.EngineTools``): a new engine is its package and one line
+here (and, for ``engine="auto"`` to pick it, a rule in ``choose_engine``)."""
 ENGINES: tuple[str, ...] = ("auto", *LOADERS)
 
 

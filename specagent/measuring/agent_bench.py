@@ -172,7 +172,7 @@ def run_agent_bench(
     would otherwise look slower than it is. Each specagent method calls under its own tenant,
     so its history and prefix cache hold only its own runs; the history is cleared at the start
     of every round, the prefix cache before every method's run of an episode. ``baselines``
-    adds methods of other programs on the same model files (``llama_server``)."""
+    adds methods of other programs on the same model files (``EngineTools.other_programs``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     episodes = episodes if episodes is not None else load_episodes()

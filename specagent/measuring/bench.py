@@ -195,7 +195,7 @@ def run_bench(
     every method alike instead of deciding one comparison. ``methods`` keeps only the methods
     named (plain always runs: it is the reference). Every method runs on the runtime's own
     model objects, so in the same dtype; ``baselines`` adds methods of other programs on the
-    same model files (``llama_server.llama_server_methods``)."""
+    same model files (``EngineTools.other_programs``: llama.cpp's server)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = prompts or PROMPTS

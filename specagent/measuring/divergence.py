@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ..engines.tools import engine_tools
+
 if TYPE_CHECKING:
     from ..runtime import SpecRuntime
 
@@ -41,76 +43,46 @@ def explain_divergence(
     verification feeds several, and the sums inside the model are added in another order, so
     where two tokens' logits are nearly equal either can come out on top. The first differing
     token is judged against the target computed in float32 (a float32 copy of its weights when
-    it runs in another dtype). ``plain_margin`` is the margin of plain's token over the
-    output's along plain's own path (the prompt's prefill, then one token per forward, in the
-    runtime's dtype), ``float32_margin`` the same margin in float32 (negative: float32 prefers
-    the output's token), ``dtype_error`` the largest difference between plain's path and
-    float32 over float32's ten likeliest tokens. Each path's margin is float32's give or take
-    twice its per-logit error, so two paths can choose differently only where
-    ``|float32_margin| <= 2 * dtype_error`` (``near_tie``; the other path's error is taken to be
-    of the same size). Outside that, the difference is not rounding, and the report says so."""
-    import copy
-
+    it runs in another dtype: ``EngineTools.float32_reference``; an engine without one is judged
+    by its own logits along two paths, ``_engine_report``). ``plain_margin`` is the margin of
+    plain's token over the output's along plain's own path (the prompt's prefill, then one token
+    per forward, in the runtime's dtype), ``float32_margin`` the same margin in float32
+    (negative: float32 prefers the output's token), ``dtype_error`` the largest difference
+    between plain's path and float32 over float32's ten likeliest tokens. Each path's margin is
+    float32's give or take twice its per-logit error, so two paths can choose differently only
+    where ``|float32_margin| <= 2 * dtype_error`` (``near_tie``; the other path's error is taken
+    to be of the same size). Outside that, the difference is not rounding, and the report says
+    so."""
     import torch
 
-    target = runtime.target
-    if runtime.engine != "transformers":
+    reference_of = engine_tools(runtime.engine).float32_reference(runtime)
+    if reference_of is None:
         return [_engine_report(runtime, *case) for case in cases]
-    exact = target
-    if next(target.parameters()).dtype != torch.float32:
-        exact = copy.deepcopy(target).float()
-    seen: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
     reports = []
-    with torch.inference_mode():
-        for prompt, reference, output in cases:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(reference, output, strict=False)) if a != b),
-                min(len(reference), len(output)),
-            )
-            report: dict[str, Any] = {"at": at}
-            if at >= min(len(reference), len(output)):
-                report["near_tie"] = False  # one stopped where the other went on
-                report["lengths"] = [len(reference), len(output)]
-                reports.append(report)
-                continue
-            key = (len(prompt), *prompt, *reference[:at])
-            if key not in seen:
-                full = torch.tensor([[*prompt, *reference[:at]]], device=runtime.device)
-                seen[key] = (
-                    _plain_path_logits(target, prompt, reference[:at], runtime.device),
-                    exact(input_ids=full).logits[0, -1].float(),
-                )
-            own, logits = seen[key]
-            plain_token, token = reference[at], output[at]
-            margin = float(logits[plain_token] - logits[token])
-            top = torch.topk(logits, 10).indices
-            error = float((own[top] - logits[top]).abs().max())
-            report.update(
-                plain_token=plain_token,
-                token=token,
-                plain_margin=round(float(own[plain_token] - own[token]), 4),
-                float32_margin=round(margin, 4),
-                float32_prefers="plain" if margin >= 0 else "output",
-                dtype_error=round(error, 4),
-                near_tie=abs(margin) <= 2 * error,
-            )
+    for prompt, reference, output in cases:
+        at = _first_difference(reference, output)
+        report: dict[str, Any] = {"at": at}
+        if at >= min(len(reference), len(output)):
+            report["near_tie"] = False  # one stopped where the other went on
+            report["lengths"] = [len(reference), len(output)]
             reports.append(report)
+            continue
+        own, logits = reference_of(prompt, reference[:at])
+        plain_token, token = reference[at], output[at]
+        margin = float(logits[plain_token] - logits[token])
+        top = torch.topk(logits, 10).indices
+        error = float((own[top] - logits[top]).abs().max())
+        report.update(
+            plain_token=plain_token,
+            token=token,
+            plain_margin=round(float(own[plain_token] - own[token]), 4),
+            float32_margin=round(margin, 4),
+            float32_prefers="plain" if margin >= 0 else "output",
+            dtype_error=round(error, 4),
+            near_tie=abs(margin) <= 2 * error,
+        )
+        reports.append(report)
     return reports
-
-
-def _plain_path_logits(model: Any, prompt: list[int], generated: list[int], device: Any) -> Any:
-    """The last logits as plain greedy decoding computes them: the prompt in one forward, then
-    each generated token in a forward of its own over the growing KV cache."""
-    import torch
-    from transformers import DynamicCache
-
-    from ..engines.transformers import cache_keyword
-
-    kwargs = {cache_keyword(type(model)): DynamicCache(), "use_cache": True}
-    logits = model(input_ids=torch.tensor([prompt], device=device), **kwargs).logits
-    for token in generated:
-        logits = model(input_ids=torch.tensor([[token]], device=device), **kwargs).logits
-    return logits[0, -1].float()
 
 
 def _first_difference(reference: list[int], output: list[int]) -> int:

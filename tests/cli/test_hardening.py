@@ -11,9 +11,9 @@ import pytest
 
 from specagent.audit import AuditStore, call_row
 from specagent.cli import main
-from specagent.cli.doctor import check_transformers
-from specagent.engines.llama_cpp.probe import _kept_choices, describe_exit
-from specagent.machine import ProbeStore
+from specagent.engines.llama_cpp.probe import _kept_choices
+from specagent.engines.transformers.tools import check as check_transformers
+from specagent.machine import ProbeStore, describe_exit
 
 
 @pytest.mark.slow  # a child process

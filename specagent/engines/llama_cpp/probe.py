@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import subprocess
 import tempfile
 import time
@@ -32,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ...errors import ModelLoadError
-from ...machine import ProbeStore, config_key, python_child
+from ...machine import ProbeStore, config_key, describe_exit, python_child
 from .library import build_info
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "PathChoice",
     "Switch",
     "choose_fast_paths",
-    "describe_exit",
 ]
 
 log = logging.getLogger("specagent.engines.llama_cpp")
@@ -309,28 +307,6 @@ class _Prover:
                 return outcomes
             outcomes.append(_Outcome(False, stage, describe_exit(stage, code, stderr)))
             return outcomes
-
-
-def describe_exit(stage: str, code: int | None, stderr: str) -> str:
-    """How a child process ended that did not finish: ``crashed in STAGE (signal 11,
-    SIGSEGV)``, ``failed in STAGE (its last error line)``, ``hung in STAGE (...)``."""
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown"
-        return f"crashed {_at(stage)} (signal {-code}, {name})"
-    last = next((line.strip() for line in reversed(stderr.splitlines()) if line.strip()), "")
-    detail = last[:200] if last else f"exit status {code}"
-    if code is None:
-        return f"hung {_at(stage)} ({detail})"
-    if "ModuleNotFoundError" in stderr or "ImportError" in stderr:
-        return f"failed {_at(stage)}: the child process could not import a module ({detail})"
-    return f"failed {_at(stage)} ({detail})"
-
-
-def _at(stage: str) -> str:
-    return stage if stage.startswith(("loading", "creating", "starting")) else f"in {stage}"
 
 
 def _text(data: bytes | str | None) -> str:

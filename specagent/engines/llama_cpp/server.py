@@ -159,10 +159,10 @@ class LlamaServer:
 def llama_server_methods(
     runtime: Any, max_new_tokens: int, binary: str | None = None
 ) -> Iterator[dict[str, Callable[[list[int], int], tuple[list[int], Any]]]]:
-    """A method per mode of ``MODES`` (the bench's ``Method``) over the runtime's llama.cpp
+    """A method per mode of ``MODES`` (``engines.tools.Method``) over the runtime's llama.cpp
     target, each on its own server, for the duration of the block; none where no binary."""
     binary = binary or find_llama_server()
-    if binary is None or runtime.engine != "llama.cpp":
+    if binary is None:
         yield {}
         return
     model = runtime.target
