@@ -42,7 +42,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.engines.transformers import ModelRunner
 from specagent.machine import ProbeStore
 from specagent.measuring.records import write_result
@@ -245,7 +245,13 @@ def drafted_rounds(contexts: list[int], calls: int, tokens: int, rounds: int) ->
     (switched between rounds on both models; the runners read it at every forward)."""
     target = small_llama()
     draft = copy.deepcopy(target)
-    runtime = SpecRuntime(target, draft, policies=[DRAFTED], device="cpu", prefix_cache_tokens=0)
+    runtime = SpecRuntime(
+        target,
+        draft,
+        policies=[DRAFTED],
+        device="cpu",
+        options=RuntimeOptions(prefix_cache_tokens=0),
+    )
     runtime.eos_token_ids = []
     specagent_seconds(runtime, prompts(2, 32), 2, policy="drafted")
     runtime.wait_measured()
@@ -284,7 +290,11 @@ def main() -> None:
     model = small_llama()
     runtimes = {
         name: SpecRuntime(
-            model, policies=[PLAIN], device="cpu", prefix_cache_tokens=0, kv_slots=slots
+            model,
+            policies=[PLAIN],
+            device="cpu",
+            options=RuntimeOptions(prefix_cache_tokens=0),
+            engine_options={"kv_slots": slots},
         )
         for name, slots in (("specagent_slots", True), ("specagent_per_call_caches", False))
     }
@@ -293,7 +303,10 @@ def main() -> None:
     key = runtimes["specagent_slots"]._decoder.target_runner.speed_key()  # type: ignore[union-attr]
     recorded.put(f"compiled-step:{key}", {"compiled": True, "reason": "forced"})
     runtimes["specagent_slots_compiled"] = SpecRuntime(
-        model, policies=[PLAIN], device="cpu", prefix_cache_tokens=0, probe_store=recorded
+        model,
+        policies=[PLAIN],
+        device="cpu",
+        options=RuntimeOptions(prefix_cache_tokens=0, probe_store=recorded),
     )
     for runtime in runtimes.values():
         runtime.eos_token_ids = []

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.chat import render_prompt
 from specagent.engines.transformers import ModelRunner
 from specagent.engines.transformers.compiled import WIDTHS, choose_compiled_step
@@ -52,7 +52,7 @@ def main() -> None:
     started = time.perf_counter()
 
     eager = SpecRuntime.from_pretrained(
-        args.target, args.draft, policies=[POLICY], compile_steps=False
+        args.target, args.draft, policies=[POLICY], engine_options={"compile_steps": False}
     )
     steps: dict[str, Any] = {}
     vocab = eager.vocab_size
@@ -78,7 +78,7 @@ def main() -> None:
         eager.tokenizer,
         policies=[POLICY],
         device=eager.device,
-        probe_store=recorded,
+        options=RuntimeOptions(probe_store=recorded),
     )
     assert all(choice["compiled"] for choice in compiled.compiled_steps.values())
 

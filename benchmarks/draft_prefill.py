@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.chat import render_prompt
 from specagent.measuring.agent_bench import agent_policies, load_episodes
 from specagent.measuring.baselines import baseline_methods
@@ -48,8 +48,8 @@ def main() -> None:
         args.target,
         args.draft,
         policies=agent_policies(True),
-        prefix_cache_tokens=0,
-        compile_steps=False,
+        options=RuntimeOptions(prefix_cache_tokens=0),
+        engine_options={"compile_steps": False},
     )
     runner = rt._decoder.draft_runner
     assert runner is not None

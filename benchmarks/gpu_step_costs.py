@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from batched_decode import PLAIN, specagent_seconds, transformers_seconds
 
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.decoding.costs import CostModel, expected_tokens, measure_costs
 from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.engine import crop_to
@@ -376,7 +376,9 @@ def device_syncs(fn: Any, device: torch.device) -> int | None:
 def streams(target: Any, device: torch.device, new: int, calls: int, repeats: int) -> dict:
     """Tokens/s of one call and of ``calls`` at once, specagent (eager and compiled forwards)
     against transformers."""
-    runtime = SpecRuntime(target, policies=[PLAIN], device=device.type, prefix_cache_tokens=0)
+    runtime = SpecRuntime(
+        target, policies=[PLAIN], device=device.type, options=RuntimeOptions(prefix_cache_tokens=0)
+    )
     runtime.eos_token_ids = []  # random weights: every call runs to its length
     # A runtime as on a machine that recorded compiled forwards as faster (forced here).
     recorded = ProbeStore(Path(tempfile.mkdtemp()))
@@ -387,8 +389,7 @@ def streams(target: Any, device: torch.device, new: int, calls: int, repeats: in
         target,
         policies=[PLAIN],
         device=device.type,
-        prefix_cache_tokens=0,
-        probe_store=recorded,
+        options=RuntimeOptions(prefix_cache_tokens=0, probe_store=recorded),
     )
     compiled.eos_token_ids = []
     batch = [[(i * 131 + j * 7) % 1000 + 3 for j in range(128)] for i in range(calls)]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime_load import tiny_model
 
-from specagent import SpecRuntime, shipped_policies
+from specagent import RuntimeOptions, SpecRuntime, shipped_policies
 from specagent.catalog import resolve_model
 from specagent.machine import machine_info, machine_kind
 from specagent.server import hash_key
@@ -101,7 +101,10 @@ def main() -> None:
         key_file = Path(tmp) / "keys.yaml"
         key_file.write_text(f"keys:\n  - name: bench\n    sha256: {hash_key(KEY)}\n")
         alone = SpecRuntime.from_pretrained(
-            str(model_dir), policies=shipped_policies(), dtype="float32", probe_store=None
+            str(model_dir),
+            policies=shipped_policies(),
+            dtype="float32",
+            options=RuntimeOptions(probe_store=None),
         )
         expected = {
             i: alone.generate_sync(messages(i), max_new_tokens=args.tokens, temperature=0).text

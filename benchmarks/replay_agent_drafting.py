@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.catalog import PAIRS
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
@@ -79,8 +79,8 @@ def record(
         target,
         draft,
         policies=agent_policies(draft is not None),
-        prefix_cache_tokens=65536,
         engine=engine,
+        options=RuntimeOptions(prefix_cache_tokens=65536),
     )
     runtime.wait_measured(timeout=3600)
     method = _spec_method(runtime, "lossless-auto", max_new_tokens, reuse=True)
@@ -374,9 +374,9 @@ def replay(path: Path, out: Path | None, draft_dtype: str) -> None:
         traces["target"],
         traces["draft"],
         policies=[*policies, plain],
-        prefix_cache_tokens=65536,
         draft_dtype=draft_dtype,
         engine=traces.get("engine", "transformers"),
+        options=RuntimeOptions(prefix_cache_tokens=65536),
     )
     runtime.wait_measured(timeout=3600)
     verify = runtime._decoder.costs.measured(None)

@@ -34,7 +34,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.catalog import resolve_model
 from specagent.chat import render_prompt
 from specagent.machine import machine_info, machine_kind
@@ -99,7 +99,8 @@ def main() -> None:
         resolve_model(args.target),
         policies=[policy("adaptive", False), policy("reproducible", True)],
         dtype=args.dtype,
-        probe_store=None,  # measured in this process: its first calls run while it measures
+        # Measured in this process: its first calls run while it measures.
+        options=RuntimeOptions(probe_store=None),
     )
     all_ids = prompts(runtime, args.prompts)
     n = args.max_new_tokens

@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.catalog import resolve_model
 from specagent.machine import machine_info, machine_kind
 
@@ -71,7 +72,10 @@ def ttft_with_and_without_reuse(model: Any, tokenizer: Any, turns: int) -> dict[
     out: dict[str, Any] = {}
     for label, tokens in (("without_reuse", 0), ("with_reuse", 65536)):
         rt = SpecRuntime(
-            target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=tokens
+            target=model,
+            tokenizer=tokenizer,
+            policies=[POLICY],
+            options=RuntimeOptions(prefix_cache_tokens=tokens),
         )
         # One tenant: its calls may reuse each other's KV (calls that name none share nothing).
         rt.generate_sync(messages(0), policy="bench", max_new_tokens=2, tenant="shop")  # warm-up
@@ -101,9 +105,12 @@ def concurrency(
     run in turn ``repeats`` times; each ratio is taken within one round (so a slow spell of the
     machine hits both sides) and the median round is reported."""
     batched = SpecRuntime(
-        target=model, tokenizer=tokenizer, policies=[POLICY], prefix_cache_tokens=0
+        target=model,
+        tokenizer=tokenizer,
+        policies=[POLICY],
+        options=RuntimeOptions(prefix_cache_tokens=0),
     )
-    stepped = batched.with_policies([POLICY], batching=False)
+    stepped = batched.with_policies([POLICY], replace(batched.options, batching=False))
     short = [[{"role": "user", "content": q}] for q in QUESTIONS]
     batched.generate_sync(short[0], policy="bench", max_new_tokens=4)
     stepped.generate_sync(short[0], policy="bench", max_new_tokens=4)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime_load import tiny_model
 
-from specagent import SpecRuntime, shipped_policies
+from specagent import RuntimeOptions, SpecRuntime, shipped_policies
 from specagent.catalog import resolve_model
 from specagent.machine import machine_info, machine_kind
 from specagent.server.dashboard import CallLog, CallRecord
@@ -324,7 +324,7 @@ def main() -> None:
             str(model_dir),
             policies=shipped_policies(),
             dtype="float32",  # as the server is started: same weights, dtype, prefix cache
-            probe_store=None,
+            options=RuntimeOptions(probe_store=None),
         )
         runtime.wait_measured()
         url, server = start_server(model_dir, Path(tmp))

@@ -13,7 +13,7 @@ import time
 
 import anyio
 
-from specagent import RuntimeOverloadedError, SpecRuntime, shipped_policies
+from specagent import RuntimeOptions, RuntimeOverloadedError, SpecRuntime, shipped_policies
 
 TICKETS = [
     "My parcel arrived damaged, what now?",
@@ -45,7 +45,7 @@ async def handle(runtime: SpecRuntime, i: int) -> None:
 
 async def main(target: str, calls: int, engine: str = "auto") -> None:
     runtime = SpecRuntime.from_pretrained(
-        target, policies=shipped_policies(), max_queue=64, engine=engine
+        target, policies=shipped_policies(), engine=engine, options=RuntimeOptions(max_queue=64)
     )
     async with runtime:
         print("streaming one call:")

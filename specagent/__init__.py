@@ -30,7 +30,7 @@ from .policy import (
     shipped_policies,
 )
 from .results import GenerationResult, SpecStats, StreamChunk, Usage
-from .runtime import SpecRuntime
+from .runtime import RuntimeOptions, SpecRuntime
 
 __all__ = [
     "Backend",
@@ -49,6 +49,7 @@ __all__ = [
     "PolicyNotFoundError",
     "PolicySet",
     "RuntimeClosedError",
+    "RuntimeOptions",
     "RuntimeOverloadedError",
     "SpecAgentError",
     "SpecRuntime",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import PinnedCosts, make_model
 
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.decoding import costs as costs_module
 from specagent.engines.transformers.keys import model_key
 from specagent.engines.transformers.precision import (
@@ -228,7 +228,7 @@ def test_a_draft_asked_for_in_int8_runs_quantized(tokenizer, tmp_path: Path, mon
         dtype="float32",
         draft_dtype="int8",
         policies=DRAFTING,
-        probe_store=PinnedCosts(),
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     assert runtime.draft is not None
     assert has_int8_weights(runtime.draft)
@@ -250,14 +250,18 @@ def test_runtime_reuses_costs_and_kernels_measured_on_this_machine(
     target, draft, tokenizer, tmp_path: Path, monkeypatch
 ) -> None:
     store = ProbeStore(tmp_path)
-    first = SpecRuntime(target, draft, tokenizer, DRAFTING, "cpu", probe_store=store)
+    first = SpecRuntime(
+        target, draft, tokenizer, DRAFTING, "cpu", options=RuntimeOptions(probe_store=store)
+    )
     costs = first.step_costs("drafting")
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("costs were measured again")
 
     monkeypatch.setattr(costs_module, "measure_steps", refuse)
-    second = SpecRuntime(target, draft, tokenizer, DRAFTING, "cpu", probe_store=store)
+    second = SpecRuntime(
+        target, draft, tokenizer, DRAFTING, "cpu", options=RuntimeOptions(probe_store=store)
+    )
     assert second.step_costs("drafting") == costs
     # Each engine's own choices come back with the costs (packed weights are built again).
     assert second.tuning == first.tuning

@@ -10,7 +10,7 @@ from types import ModuleType
 
 from conftest import PinnedCosts
 
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.measuring.agent_bench import agent_policies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +38,8 @@ def test_replay_takes_the_real_runs_steps(target, draft, tokenizer) -> None:
         tokenizer,
         list(policies.values()),
         "cpu",
-        probe_store=PinnedCosts(),
-        draft_head_rows=64,
+        options=RuntimeOptions(probe_store=PinnedCosts()),
+        engine_options={"draft_head_rows": 64},
     )
     assert runtime.draft_head_rows == 64
     runtime.wait_measured(timeout=600)

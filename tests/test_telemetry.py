@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from specagent import InvalidRequestError, Policy, SpecRuntime
+from specagent import InvalidRequestError, Policy, RuntimeOptions, SpecRuntime
 
 POLICIES = [
     Policy(
@@ -55,8 +55,7 @@ def traced_runtime(otel, target, draft, tokenizer):
         policies=POLICIES,
         device="cpu",
         model_name="tiny-llama",
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider,
+        options=RuntimeOptions(tracer_provider=tracer_provider, meter_provider=meter_provider),
     )
     yield rt
     rt.close()

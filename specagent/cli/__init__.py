@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SpecAgentError
-from .arguments import compile_steps, policy_set, target_and_draft
+from .arguments import engine_options, policy_set, target_and_draft
 from .measure import bench_command, eval_command, tune_command
 from .parser import build_parser
 from .serve import audit_command, serve_command
@@ -139,7 +139,7 @@ def _model_info(args: argparse.Namespace) -> int:
         args.name,
         draft=args.draft,
         dtype=args.dtype,
-        compile_steps=compile_steps(args),
+        engine_options=engine_options(args),
         engine=args.engine,
     )
     described = {

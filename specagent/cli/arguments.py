@@ -97,6 +97,9 @@ def target_and_draft(args: argparse.Namespace) -> tuple[str, str | None]:
     return PAIRS[args.pair] if args.pair else (args.target, args.draft)
 
 
-def compile_steps(args: argparse.Namespace) -> bool | None:
-    """``--compile-steps`` as ``SpecRuntime``'s ``compile_steps`` (auto: None)."""
-    return {"on": True, "off": False}.get(args.compile_steps)
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's options the command line sets: ``--compile-steps`` as the transformers
+    engine's ``compile_steps`` (auto: not set, so that llama.cpp, which takes no such option,
+    runs too)."""
+    compile_steps = {"on": True, "off": False}.get(args.compile_steps)
+    return {} if compile_steps is None else {"compile_steps": compile_steps}

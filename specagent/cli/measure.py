@@ -14,14 +14,14 @@ from typing import Any
 
 from ..decoding.registry import RULES
 from ..machine import machine_kind
-from .arguments import compile_steps, policy_set, target_and_draft
+from .arguments import engine_options, policy_set, target_and_draft
 
 __all__ = ["bench_command", "eval_command", "tune_command"]
 
 
 def bench_command(args: argparse.Namespace) -> int:
     from ..engines.tools import engine_tools
-    from ..runtime import SpecRuntime
+    from ..runtime import RuntimeOptions, SpecRuntime
 
     target, draft = target_and_draft(args)
     workload = WORKLOADS[args.workload]
@@ -33,10 +33,10 @@ def bench_command(args: argparse.Namespace) -> int:
         target,
         draft=draft,
         policies=workload.policies(draft is not None),
-        prefix_cache_tokens=65536 if args.workload == "agent" else 0,
+        options=RuntimeOptions(prefix_cache_tokens=65536 if args.workload == "agent" else 0),
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
-        compile_steps=compile_steps(args),
+        engine_options=engine_options(args),
         engine=args.engine,
     )
     # Named by benchmark, engine and machine kind: a newer run of the same replaces it.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecAgentError
-from .arguments import compile_steps, policy_set, target_and_draft
+from .arguments import engine_options, policy_set, target_and_draft
 from .audit_view import print_audit
 
 __all__ = ["audit_command", "serve_command"]
@@ -21,6 +21,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_on_ray(args)
     try:
+        from ..runtime import RuntimeOptions
         from ..server import KeyStore, ServerOptions, serve
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise SpecAgentError(
@@ -51,9 +52,9 @@ def serve_command(args: argparse.Namespace) -> int:
         ),
         ssl=tls,
         drain_seconds=args.drain_seconds,
+        runtime_options=RuntimeOptions(max_queue=args.max_queue),
         dtype=args.dtype,
-        max_queue=args.max_queue,
-        compile_steps=compile_steps(args),
+        engine_options=engine_options(args),
         engine=args.engine,
     )
     return 0

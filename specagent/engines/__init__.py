@@ -104,13 +104,13 @@ def choose_engine(engine: str, source: str, device: torch.device) -> EngineChoic
 def engine_model(model: Any, options: Mapping[str, Any] | None = None) -> EngineModel:
     """The engine's view of ``model``: an ``EngineModel`` as it is (its engine took its options
     when it loaded it), a torch module as the transformers engine's, with ``options``
-    (``transformers.TransformersOptions``'s fields)."""
+    (``transformers.TransformersOptions``'s fields; another is an error naming them)."""
     if isinstance(model, EngineModel):
         return model
     if isinstance(model, torch.nn.Module):
-        from .transformers.model import TransformersModel, TransformersOptions
+        from .transformers.model import TransformersModel, transformers_options
 
-        return TransformersModel(model, TransformersOptions(**(options or {})))
+        return TransformersModel(model, transformers_options(options))
     msg = (
         f"a model must be a torch module (transformers) or an engine's model "
         f"(specagent.engines.EngineModel), not {type(model).__name__}"

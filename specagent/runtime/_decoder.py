@@ -27,6 +27,8 @@ from ..engines import EngineModel, RunnerNeeds
 from ..grammar import prepare
 from ..machine import ProbeStore
 from ._admission import CallPlan
+from ._worker import Worker
+from .options import RuntimeOptions
 
 __all__ = ["Decoder"]
 
@@ -65,6 +67,7 @@ class Decoder:
         """Earlier calls' text, per scope key (``drafter.history``)."""
         self.num_layers = target.num_layers
         self.store = store
+        self.tokenizer = tokenizer
         needs = RunnerNeeds("target", None, self.eos_token_ids, tokenizer, store)
         target_runner, target_choice = target.build_runner(needs)
         self.target_runner: Runner = target_runner
@@ -156,14 +159,12 @@ class Decoder:
         other, not hold KV past the budget beside the calls of the pool."""
         return len(plan.prompt_ids) + plan.max_new_tokens + self.costs.longest
 
-    def background(
-        self, tokenizer: Any | None, drafters: Iterable[DrafterBlock]
-    ) -> Generator[None, None, None]:
+    def background(self, drafters: Iterable[DrafterBlock]) -> Generator[None, None, None]:
         """What the worker does between rounds from its start: the tokenizer's conversion for
         constrained output (a slice of its own: it holds the GIL for about a second, better at
         start than in the middle of other calls' streams), then the step costs."""
-        if tokenizer is not None:
-            prepare(tokenizer, self.vocab_size, self.eos_token_ids)
+        if self.tokenizer is not None:
+            prepare(self.tokenizer, self.vocab_size, self.eos_token_ids)
             yield
         measurement = self.measurement(drafters)
         if measurement is None:
@@ -183,6 +184,33 @@ class Decoder:
                 time.perf_counter() - started,
                 timings,
             )
+
+    def worker(
+        self, options: RuntimeOptions, drafters: Iterable[DrafterBlock], device: torch.device
+    ) -> Worker:
+        """A worker that decodes calls with this decoder's runners, measuring the step costs
+        ``drafters`` plan with in the background from its start."""
+        return Worker(
+            lambda plan: self.decode(plan, device),
+            max_active=options.max_active,
+            max_queue=options.max_queue,
+            batching=options.batching,
+            background=self.background(drafters),
+            kv_budget=self.kv_budget(),
+            need=self.kv_need,
+            compute=self.compute,
+            compute_wanted=self.compute_wanted,
+        )
+
+    def step_costs(self, block: DrafterBlock, measure: bool) -> CostModel:
+        """The step costs drafting with ``block`` plans with: measured now where missing
+        (``measure``, on the thread the worker's rounds run on: the book's lock is held around
+        each timing, and a timing asked from elsewhere must not wait for a round that waits
+        for that lock), else what the book has now (a prior until measured)."""
+        runner = self.cost_runner(block)
+        if measure:
+            return self.compute(lambda: self.costs.measured(runner))
+        return self.costs.model(runner)
 
     def decode(self, plan: CallPlan, device: torch.device) -> DecodeSteps:
         """The decoding coroutine of one call."""

@@ -197,6 +197,18 @@ class Worker:
         self.thread.start()
         _LIVE.add(self)
 
+    def activity(self) -> dict[str, Any]:
+        """Calls ``running`` and ``queued``, whether the background work is done
+        (``measured``) and whether the worker is ``closing``."""
+        with self.cond:
+            running, queued = len(self.active), len(self.inbox)
+        return {
+            "running": running,
+            "queued": queued,
+            "measured": self.idle.is_set(),
+            "closing": self.stopping,
+        }
+
     def submit(self, job: Job) -> None:
         with self.cond:
             if self.stopping:

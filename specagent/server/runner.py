@@ -14,6 +14,7 @@ import uvicorn
 from sse_starlette.sse import AppStatus
 
 from ..engines import describe
+from ..runtime.options import RuntimeOptions
 from .app import ServerOptions, create_app
 from .keys import KeyStore
 from .metrics import prometheus_metrics
@@ -65,16 +66,19 @@ def serve(
     options: ServerOptions | None = None,
     drain_seconds: float = 30.0,
     ssl: tuple[str, str] | None = None,
-    **runtime_options: Any,
+    runtime_options: RuntimeOptions | None = None,
+    **loading: Any,
 ) -> None:
-    """Load the runtime (as ``SpecRuntime.from_pretrained``) and serve it until SIGTERM or
-    SIGINT; then drain (calls in flight finish within ``drain_seconds``), close, and write
-    what the audit store still holds. ``ssl``: a certificate and its key (PEM files): HTTPS."""
+    """Load the runtime (as ``SpecRuntime.from_pretrained``, with ``loading``: ``dtype``,
+    ``engine``, ``engine_options``, ...) and serve it until SIGTERM or SIGINT; then drain
+    (calls in flight finish within ``drain_seconds``), close, and write what the audit store
+    still holds. ``ssl``: a certificate and its key (PEM files): HTTPS."""
     from ..runtime import SpecRuntime
 
     provider, render = prometheus_metrics()
+    served = dataclasses.replace(runtime_options or RuntimeOptions(), meter_provider=provider)
     runtime = SpecRuntime.from_pretrained(
-        target, draft=draft, policies=policies, meter_provider=provider, **runtime_options
+        target, draft=draft, policies=policies, options=served, **loading
     ).start()  # step costs measured from now: /ready says when
     options = dataclasses.replace(
         options or ServerOptions(), metrics=render, meter_provider=provider

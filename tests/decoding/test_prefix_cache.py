@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.chat import render_prompt
 from specagent.decoding.prefix import PrefixCache, reuse_prefix
 from specagent.engines.transformers import ModelRunner
@@ -123,7 +123,7 @@ def test_outputs_with_and_without_reuse_are_equal(target, draft, tokenizer, draf
         tokenizer=tokenizer,
         policies=[policy],
         device="cpu",
-        prefix_cache_tokens=0,
+        options=RuntimeOptions(prefix_cache_tokens=0),
     )
     for question in ("Where is order A-1?", "Refund for order B-2?", "Where is order A-1?"):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
@@ -153,7 +153,12 @@ def test_the_next_turn_starts_from_the_kv_the_last_turn_left(target, draft, toke
     runtimes = [
         SpecRuntime(target, draft, tokenizer, [conversation_policy()], "cpu"),
         SpecRuntime(
-            target, draft, tokenizer, [conversation_policy()], "cpu", prefix_cache_tokens=0
+            target,
+            draft,
+            tokenizer,
+            [conversation_policy()],
+            "cpu",
+            options=RuntimeOptions(prefix_cache_tokens=0),
         ),
     ]
     reused, cold = runtimes

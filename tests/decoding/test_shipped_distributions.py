@@ -27,7 +27,7 @@ import torch
 from conftest import PinnedCosts, make_model, perturbed_copy
 from scipy.stats import chi2_contingency
 
-from specagent import Policy, SpecRuntime, shipped_policies
+from specagent import Policy, RuntimeOptions, SpecRuntime, shipped_policies
 from specagent.decoding import acceptance, sampling
 from specagent.decoding.sampling import SamplingParams
 from specagent.grammar import Constraint
@@ -129,7 +129,7 @@ def runtime_for(target, draft, policies, tokenizer=None) -> SpecRuntime:
         tokenizer=tokenizer,
         policies=policies,
         device="cpu",
-        probe_store=PinnedCosts(),  # type: ignore[arg-type]
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
 
 

@@ -57,6 +57,9 @@ def test_from_pretrained_runs_a_local_gguf_on_llama_cpp(tokenizer, tmp_path, mon
         assert runtime.model_name == "tiny"
         # The tokenizer came out of the GGUF (ids and chat template as written there).
         assert runtime.tokenizer.get_vocab() == {**tokenizer.get_vocab(), "<|endoftext|>": 320}
+        # Another engine's option is refused, naming the ones this engine takes.
+        with pytest.raises(ValueError, match=r"llama.cpp engine takes \[.*'threads'.*\], not "):
+            SpecRuntime.from_pretrained(str(path), engine_options={"compile_steps": True})
         messages = [{"role": "user", "content": "Hello world"}]
         result = runtime.generate_sync(messages, max_new_tokens=8, temperature=0.0)
         assert result.usage.output_tokens == len(result.token_ids) > 0
@@ -79,7 +82,9 @@ def test_a_torch_module_is_the_transformers_engines_model(target, draft, tokeniz
     assert seen.vocab_size == target.get_output_embeddings().weight.shape[0]
     assert seen.num_layers == target.config.num_hidden_layers
     assert seen.kv_budget() is None  # each call's KV is its own
-    runtime = SpecRuntime(target, draft, tokenizer, device="cpu", draft_head_rows=None)
+    runtime = SpecRuntime(
+        target, draft, tokenizer, device="cpu", engine_options={"draft_head_rows": None}
+    )
     assert runtime.engine == "transformers"
     assert runtime.target is target  # as passed in
     assert runtime.draft is draft
@@ -95,4 +100,23 @@ def test_what_no_engine_runs_is_refused_by_name() -> None:
 
 def test_the_transformers_options_are_checked_when_given(target, tokenizer) -> None:
     with pytest.raises(ValueError, match="draft_head_rows must be 'auto', None or a positive"):
-        SpecRuntime(target, tokenizer=tokenizer, device="cpu", draft_head_rows=0)
+        SpecRuntime(
+            target, tokenizer=tokenizer, device="cpu", engine_options={"draft_head_rows": 0}
+        )
+
+
+def test_an_option_the_transformers_engine_does_not_take_is_refused_by_name(
+    target, tokenizer
+) -> None:
+    with pytest.raises(ValueError, match=r"takes \['compile_steps', .*\], not \['threads'\]"):
+        SpecRuntime(target, tokenizer=tokenizer, device="cpu", engine_options={"threads": 2})
+
+
+def test_runtime_options_out_of_bounds_are_refused() -> None:
+    from specagent import RuntimeOptions
+
+    for bad in ({"max_active": 0}, {"max_queue": -1}, {"admission_workers": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RuntimeOptions(**bad)
+    with pytest.raises(ValueError, match="prefix_cache_tokens"):
+        RuntimeOptions(prefix_cache_tokens=-1)

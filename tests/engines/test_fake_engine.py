@@ -17,7 +17,7 @@ from fake_engine import VOCAB, FakeModel, TokenSequence, table_logits
 from scipy.stats import chisquare
 
 from policies import make_policy
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.decoding.sampling import SamplingParams, logits_to_probs
 
 LOOKUP = make_policy("lookup", {"kind": "prompt_lookup", "num_speculative_tokens": 3})
@@ -32,7 +32,11 @@ RELAXED = make_policy(
 
 @pytest.fixture
 def runtime():
-    rt = SpecRuntime(FakeModel(), policies=[LOOKUP, PLAIN, RELAXED], probe_store=PinnedCosts())
+    rt = SpecRuntime(
+        FakeModel(),
+        policies=[LOOKUP, PLAIN, RELAXED],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
+    )
     yield rt
     rt.close()
 

@@ -17,7 +17,7 @@ from conftest import PinnedCosts
 from tiny_gguf import make_qwen2, write_gguf
 
 from policies import make_policy
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
 from specagent.decoding.sampling import SamplingParams, make_generator
@@ -243,7 +243,10 @@ PLAIN = make_policy("plain", sampling=GREEDY_24)
 def runtime(gguf_file, tokenizer):
     model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=32, threads=1)
     rt = SpecRuntime(
-        model, tokenizer=tokenizer, policies=[LOOKUP, PLAIN, RELAXED], probe_store=PinnedCosts()
+        model,
+        tokenizer=tokenizer,
+        policies=[LOOKUP, PLAIN, RELAXED],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     yield rt
     rt.close()
@@ -301,7 +304,12 @@ async def test_calls_go_on_when_no_sequence_is_left_for_a_kept_prefix(gguf_file,
     """One sequence in all: a call's prompt cannot be copied for later calls, and the next call
     cannot copy the finished one's KV; both skip the prefix cache and answer as plain would."""
     model = LlamaCppModel(gguf_file, context_tokens=2048, max_sequences=1, threads=1)
-    rt = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
+    rt = SpecRuntime(
+        model,
+        tokenizer=tokenizer,
+        policies=[PLAIN],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
+    )
     try:
         text = " ".join(TEXTS) * 3
         first = await rt.generate(text, policy="plain", tenant="t")
@@ -334,7 +342,10 @@ def test_runtimes_sharing_one_model_step_on_their_own_threads(gguf_file, tokeniz
     crashed the process), and each call's tokens equal the engine's plain greedy ones."""
     model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=24, threads=1)
     first = SpecRuntime(
-        model, tokenizer=tokenizer, policies=[LOOKUP, PLAIN], probe_store=PinnedCosts()
+        model,
+        tokenizer=tokenizer,
+        policies=[LOOKUP, PLAIN],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     second = first.with_policies([LOOKUP, PLAIN])
     try:
@@ -387,7 +398,10 @@ def test_every_forward_of_the_process_runs_on_one_thread(gguf_file, tokenizer, m
 
     monkeypatch.setattr(model._lib, "llama_decode", recorded)
     first = SpecRuntime(
-        model, tokenizer=tokenizer, policies=[LOOKUP, PLAIN], probe_store=PinnedCosts()
+        model,
+        tokenizer=tokenizer,
+        policies=[LOOKUP, PLAIN],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     second = first.with_policies([LOOKUP, PLAIN])
     try:
@@ -421,7 +435,12 @@ def test_runtimes_sharing_the_llama_cpp_thread_take_turns_round_by_round(
     waits for it: two long calls on two runtimes over one model advance in turns, neither
     waits for the other to finish."""
     model = LlamaCppModel(gguf_file, context_tokens=4096, max_sequences=24, threads=1)
-    first = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
+    first = SpecRuntime(
+        model,
+        tokenizer=tokenizer,
+        policies=[PLAIN],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
+    )
     second = first.with_policies([PLAIN])
     order: list[int] = []
     try:
@@ -472,7 +491,7 @@ def test_costs_asked_while_the_worker_measures_them_do_not_deadlock(
             model,
             tokenizer=tokenizer,
             policies=[LOOKUP, PLAIN],
-            probe_store=ProbeStore(tmp_path / str(attempt)),
+            options=RuntimeOptions(probe_store=ProbeStore(tmp_path / str(attempt))),
         )
         answers: list[object] = []
         try:
@@ -543,7 +562,12 @@ async def test_one_call_never_takes_the_pool_another_call_needs(gguf_file, token
 
     model = LlamaCppModel(gguf_file, context_tokens=1024, max_sequences=32, threads=1)
     assert model.context_window == 512
-    rt = SpecRuntime(model, tokenizer=tokenizer, policies=[PLAIN], probe_store=PinnedCosts())
+    rt = SpecRuntime(
+        model,
+        tokenizer=tokenizer,
+        policies=[PLAIN],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
+    )
     try:
         hog = [i % 300 + 10 for i in range(400)]  # 400 prompt tokens + 80 new: within half
         others = [[(i * 13 + j) % 300 + 5 for j in range(180)] for i in range(5)]
@@ -603,7 +627,12 @@ async def test_reproducible_calls_count_against_the_kv_budget(gguf_file, tokeniz
     model = LlamaCppModel(gguf_file, context_tokens=1024, max_sequences=32, threads=1)
     exact = make_policy("exact", sampling={"temperature": 0.0, "max_new_tokens": 24})
     exact = exact.model_copy(update={"reproducible": True})
-    rt = SpecRuntime(model, tokenizer=tokenizer, policies=[exact], probe_store=PinnedCosts())
+    rt = SpecRuntime(
+        model,
+        tokenizer=tokenizer,
+        policies=[exact],
+        options=RuntimeOptions(probe_store=PinnedCosts()),
+    )
     peak = 0
     stop = threading.Event()
 

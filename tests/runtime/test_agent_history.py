@@ -10,7 +10,7 @@ import pytest
 from conftest import PinnedCosts
 
 from policies import make_policy
-from specagent import InvalidRequestError, SpecRuntime
+from specagent import InvalidRequestError, RuntimeOptions, SpecRuntime
 from specagent.grammar import Constraint
 
 PLAIN = make_policy("plain")
@@ -42,7 +42,7 @@ def test_one_tenants_calls_never_draft_for_another(target, tokenizer) -> None:
         tokenizer=tokenizer,
         policies=[SUFFIX_TENANT],
         device="cpu",
-        probe_store=PinnedCosts(),
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     alone = runtime.with_policies([SUFFIX_TENANT])  # its own, empty history
     options = {"policy": "suffix-tenant", "max_new_tokens": 40}
@@ -73,7 +73,11 @@ def test_a_fallback_drafts_from_the_history_its_own_block_names(target, tokenize
         | {"history": "tenant"},
     )
     runtime = SpecRuntime(
-        target, tokenizer=tokenizer, policies=[policy], device="cpu", probe_store=PinnedCosts()
+        target,
+        tokenizer=tokenizer,
+        policies=[policy],
+        device="cpu",
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     options = {"policy": "fallback-tenant", "max_new_tokens": 40}
     first = runtime.generate_sync(PROMPT, tenant="acme", **options)
@@ -143,7 +147,7 @@ def test_token_trees_in_batched_rounds_equal_plain_greedy(target, draft, tokeniz
         tokenizer,
         [AUTO_TREES, AUTO_TENANT, PLAIN],
         "cpu",
-        probe_store=PinnedCosts(),
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
     runtime.wait_measured(timeout=120)
     prompts = [

@@ -16,6 +16,7 @@ from specagent import (
     GenerationError,
     InvalidRequestError,
     PolicyNotFoundError,
+    RuntimeOptions,
     SpecRuntime,
 )
 
@@ -53,7 +54,7 @@ def runtime(target, draft, tokenizer):
         tokenizer=tokenizer,
         policies=MIXED,
         device="cpu",
-        prefix_cache_tokens=0,
+        options=RuntimeOptions(prefix_cache_tokens=0),
     )
     yield rt
     rt.close()

@@ -21,7 +21,7 @@ from engine_pairs import ENGINES
 from tiny_gguf import make_qwen2, write_gguf
 
 from policies import make_policy
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 
 CLAUSE = [{"role": "user", "content": "Draft a clause about late delivery of the goods."}]
 OTHERS = [
@@ -66,7 +66,11 @@ def models(request, target, draft, tokenizer, tmp_path_factory) -> tuple[Any, An
 def _runtime(models, tokenizer) -> SpecRuntime:
     target, draft = models
     return SpecRuntime(
-        target, draft, tokenizer=tokenizer, policies=_policies(), probe_store=PinnedCosts()
+        target,
+        draft,
+        tokenizer=tokenizer,
+        policies=_policies(),
+        options=RuntimeOptions(probe_store=PinnedCosts()),
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import MemoryStore, PinnedCosts
 from pydantic import ValidationError
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.engines.transformers import ModelRunner
 from specagent.policy import shipped_policies
 
@@ -43,7 +43,7 @@ def runtime(target, draft, tokenizer, reproducible: bool, store: Any) -> SpecRun
         tokenizer=tokenizer,
         policies=[sampled(reproducible)],
         device="cpu",
-        probe_store=store,  # type: ignore[arg-type]
+        options=RuntimeOptions(probe_store=store),
     )
 
 

@@ -21,6 +21,7 @@ from specagent import (
     PolicyError,
     PolicyNotFoundError,
     RuntimeClosedError,
+    RuntimeOptions,
     RuntimeOverloadedError,
     SpecRuntime,
     shipped_policies,
@@ -443,8 +444,7 @@ def test_overload_and_shutdown(target, draft, tokenizer) -> None:
         tokenizer=tokenizer,
         policies=POLICIES,
         device="cpu",
-        max_active=1,
-        max_queue=1,
+        options=RuntimeOptions(max_active=1, max_queue=1),
     )
     errors: list[BaseException] = []
     gate = threading.Event()  # holds every decoding step until the test has looked

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specagent import SpecRuntime, shipped_policies
+from specagent import RuntimeOptions, SpecRuntime, shipped_policies
 from specagent.server import DrainingServer, KeyStore, ServerOptions, create_app, hash_key
 from specagent.server.metrics import prometheus_metrics
 
@@ -135,8 +135,7 @@ def live(tokenizer, key_file: Path) -> Iterator[Live]:
         policies=shipped_policies(),
         device="cpu",
         model_name="tiny",
-        tracer_provider=tracer_provider,
-        meter_provider=meter_provider,
+        options=RuntimeOptions(tracer_provider=tracer_provider, meter_provider=meter_provider),
     )
     options = ServerOptions(metrics=render, meter_provider=meter_provider)
     app = create_app(runtime, KeyStore.load(key_file, env=""), options)

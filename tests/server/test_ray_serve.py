@@ -19,7 +19,7 @@ import pytest
 from conftest import make_model, make_tokenizer
 from live_server import KEY_FILE, KEYS, free_port
 
-from specagent import SpecRuntime, shipped_policies
+from specagent import RuntimeOptions, SpecRuntime, shipped_policies
 from specagent.call import Call
 from specagent.server.ray_app import (
     build_app,
@@ -84,7 +84,10 @@ def cluster() -> Iterator[dict]:
         )
         serve.run(app, name="specagent", route_prefix="/")
         alone = SpecRuntime.from_pretrained(
-            str(model_dir), policies=shipped_policies(), dtype="float32", probe_store=None
+            str(model_dir),
+            policies=shipped_policies(),
+            dtype="float32",
+            options=RuntimeOptions(probe_store=None),
         )
         try:
             yield {"url": f"http://127.0.0.1:{port}/v1", "alone": alone, "dir": model_dir}

@@ -12,7 +12,7 @@ import pytest
 from conftest import make_model
 from live_server import KEYS, Live, key_file, live, serving, sync_client  # fixtures by name
 
-from specagent import SpecRuntime, shipped_policies
+from specagent import RuntimeOptions, SpecRuntime, shipped_policies
 from specagent.server import KeyStore, ServerOptions, create_app
 from specagent.server.keys import KeyConfigError
 from specagent.server.metrics import prometheus_metrics
@@ -121,7 +121,11 @@ def test_a_key_with_no_bound_holds_a_share_of_the_slots(tokenizer) -> None:
     target.generation_config.eos_token_id = None
     target.config.eos_token_id = None
     runtime = SpecRuntime(
-        target, tokenizer=tokenizer, policies=shipped_policies(), max_active=4, model_name="tiny"
+        target,
+        tokenizer=tokenizer,
+        policies=shipped_policies(),
+        model_name="tiny",
+        options=RuntimeOptions(max_active=4),
     )
     runtime.eos_token_ids = []
     keys = KeyStore.load(None, env=f"a={KEYS['full']},b={KEYS['customer']}")

@@ -3,6 +3,7 @@ and chat template each GGUF carries."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,11 @@ def load_pair(request: LoadRequest) -> Loaded:
     from .. import is_gguf_source
 
     target, draft, options = request.target, request.draft, request.options
+    takes = set(inspect.signature(LlamaCppModel).parameters) - {"path", "name"}
+    unknown = sorted(set(options) - takes)
+    if unknown:
+        msg = f"engine_options: the llama.cpp engine takes {sorted(takes)}, not {unknown}"
+        raise ValueError(msg)
 
     def loaded(source: str) -> tuple[LlamaCppModel, Any]:
         path = resolve_gguf(source) if source in CATALOG else Path(source)

@@ -14,6 +14,7 @@ from ...errors import ModelLoadError
 from ...machine import ProbeStore, config_key
 from ...models import load_config, load_model, load_tokenizer, resolve_dtype
 from ..base import Loaded, LoadRequest
+from .model import TransformersModel, transformers_options
 from .precision import INT8, DtypeChoice, Role, choose_dtype, load_as
 from .quantized import int8_supported
 from .runner import PrefillTwin
@@ -57,9 +58,10 @@ def load_pair(request: LoadRequest) -> Loaded:
     if draft is not None:
         draft_tokenizer = load_tokenizer(draft, trust_remote_code=trust_remote_code)
         draft_model = loaded(draft, "draft", draft_dtype)
+    options = transformers_options(request.options, draft_prefill=twins.get("draft"))
     return Loaded(
-        target_model,
-        draft_model,
+        TransformersModel(target_model, options),
+        TransformersModel(draft_model, options) if draft_model is not None else None,
         tokenizer,
         draft_tokenizer,
         device,
@@ -67,7 +69,6 @@ def load_pair(request: LoadRequest) -> Loaded:
         Path(str(target)).name,
         precision,
         request.choice,
-        runtime_options={"draft_prefill": twins.get("draft")},
     )
 
 

@@ -3,6 +3,8 @@ of this engine (``TransformersOptions``) that the runtime passes through untouch
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -15,15 +17,15 @@ from .head import head_rows_for
 from .runner import ModelRunner, PrefillTwin, early_exit_view
 from .tuning import build_runner
 
-__all__ = ["ENGINE", "TransformersModel", "TransformersOptions"]
+__all__ = ["ENGINE", "TransformersModel", "TransformersOptions", "transformers_options"]
 
 ENGINE = "transformers"
 
 
 @dataclass(frozen=True)
 class TransformersOptions:
-    """How the transformers engine runs a runtime's models (``SpecRuntime``'s keywords of the
-    same names)."""
+    """How the transformers engine runs a runtime's models (``engine_options`` of
+    ``SpecRuntime`` and ``from_pretrained``)."""
 
     compile_steps: bool | None = None
     """Few-token forwards compiled over the KV slots: None measures on CUDA and reuses what
@@ -44,6 +46,18 @@ class TransformersOptions:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             msg = f"draft_head_rows must be 'auto', None or a positive int, got {rows!r}"
             raise ValueError(msg)
+
+
+def transformers_options(options: Mapping[str, Any] | None, **decided: Any) -> TransformersOptions:
+    """``engine_options`` as the transformers engine takes them, with what it ``decided`` at
+    load; an option it does not take is an error that names the ones it does."""
+    given = dict(options or {})
+    known = {f.name for f in dataclasses.fields(TransformersOptions)} - set(decided)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        msg = f"engine_options: the transformers engine takes {sorted(known)}, not {unknown}"
+        raise ValueError(msg)
+    return TransformersOptions(**given, **decided)
 
 
 class TransformersModel(EngineModel):

@@ -21,6 +21,7 @@ changed nothing scores at the floor; ``relative_similarity`` is score / floor.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,7 +96,9 @@ def evaluate(
         named.append((f"setting-{i}", policy.model_copy(update={"name": f"setting-{i}"}), key))
     run_policies = [p for _, p, _ in named] + list(twins.values())
     # No prefix reuse: every call pays its own prefill, so the order of runs cannot favour one.
-    rt = runtime.with_policies(run_policies, prefix_cache_tokens=0)
+    rt = runtime.with_policies(
+        run_policies, dataclasses.replace(runtime.options, prefix_cache_tokens=0)
+    )
     say = progress or (lambda _: None)
 
     runs: dict[tuple[str, str], list[_Run]] = {}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import MemoryStore, hf_greedy, make_model, ragged_rounds
 
-from specagent import Policy, SpecRuntime
+from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import DraftModelDrafter
@@ -326,8 +326,8 @@ def test_the_runtime_measures_records_and_reuses_the_decision(target, draft, tok
         tokenizer,
         policies=[conversation_policy()],
         device="cpu",
-        probe_store=store,  # type: ignore[arg-type]
-        compile_steps=True,
+        options=RuntimeOptions(probe_store=store),
+        engine_options={"compile_steps": True},
     )
     measured = rt.compiled_steps
     assert set(measured) == {"target", "draft"}
@@ -343,13 +343,20 @@ def test_the_runtime_measures_records_and_reuses_the_decision(target, draft, tok
     # A later runtime on this machine reads the decision instead of compiling to measure.
     puts = store.puts
     later = SpecRuntime(
-        target, draft, tokenizer, policies=[conversation_policy()], device="cpu", probe_store=store
+        target,
+        draft,
+        tokenizer,
+        policies=[conversation_policy()],
+        device="cpu",
+        options=RuntimeOptions(probe_store=store),
     )  # type: ignore[arg-type]
     assert store.puts == puts
     for role, choice in later.compiled_steps.items():
         assert choice["compiled"] == measured[role]["compiled"]
         assert "measured earlier" in choice["reason"]
-    eager = SpecRuntime(target, draft, tokenizer, device="cpu", compile_steps=False)
+    eager = SpecRuntime(
+        target, draft, tokenizer, device="cpu", engine_options={"compile_steps": False}
+    )
     assert eager.compiled_steps == {}
 
 
@@ -358,9 +365,16 @@ def test_a_runtime_with_compiled_steps_answers_as_an_eager_one(target, draft, to
     """Concurrent calls (batched forwards over slots) and a conversation's next turn (a kept
     prefix copied back into a slot) give the eager runtime's tokens."""
     policies = [conversation_policy()]
-    eager = SpecRuntime(target, draft, tokenizer, policies, "cpu", compile_steps=False)
+    eager = SpecRuntime(
+        target, draft, tokenizer, policies, "cpu", engine_options={"compile_steps": False}
+    )
     compiled = SpecRuntime(
-        target, draft, tokenizer, policies, "cpu", probe_store=recorded_compiled(target, draft)
+        target,
+        draft,
+        tokenizer,
+        policies,
+        "cpu",
+        options=RuntimeOptions(probe_store=recorded_compiled(target, draft)),
     )  # type: ignore[arg-type]
     assert all(choice["compiled"] for choice in compiled.compiled_steps.values())
     system = {"role": "system", "content": "You are a support agent. Tools: lookup_order. " * 3}

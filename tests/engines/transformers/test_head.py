@@ -13,7 +13,7 @@ from conftest import PinnedCosts, hf_greedy, make_model
 from distributions import chi_square_pvalues, exact_marginals, sample_counts
 from torch import nn
 
-from specagent import SpecRuntime
+from specagent import RuntimeOptions, SpecRuntime
 from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.vocab import CallVocabulary
@@ -134,8 +134,8 @@ async def test_runtime_with_a_restricted_draft_head_equals_target_greedy(
         draft=draft,
         tokenizer=tokenizer,
         device="cpu",
-        probe_store=PinnedCosts(),  # drafting pays: the draft model runs
-        draft_head_rows=64,
+        options=RuntimeOptions(probe_store=PinnedCosts()),  # drafting pays: the draft model runs
+        engine_options={"draft_head_rows": 64},
     )
     async with runtime:
         assert runtime.draft_head_rows == 64
@@ -160,8 +160,8 @@ def test_a_grammar_whose_tokens_the_draft_head_lacks(target, draft, tokenizer) -
             draft=draft,
             tokenizer=tokenizer,
             device="cpu",
-            probe_store=PinnedCosts(),
-            draft_head_rows=rows,
+            options=RuntimeOptions(probe_store=PinnedCosts()),
+            engine_options={"draft_head_rows": rows},
         )
         with runtime:
             result = runtime.generate_sync(
@@ -176,7 +176,11 @@ def test_runtime_refuses_a_bad_head_rows_value(target, draft, tokenizer) -> None
     for bad in (0, -3, 2.5, True, "all"):
         with pytest.raises(ValueError, match="draft_head_rows"):
             SpecRuntime(
-                target=target, draft=draft, tokenizer=tokenizer, device="cpu", draft_head_rows=bad
+                target=target,
+                draft=draft,
+                tokenizer=tokenizer,
+                device="cpu",
+                engine_options={"draft_head_rows": bad},
             )
 
 

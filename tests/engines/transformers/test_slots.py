@@ -273,7 +273,9 @@ async def test_the_runtime_answers_the_same_with_and_without_slots(
         return [out[i] for i in range(9)]
 
     with_slots = SpecRuntime(target, draft, tokenizer, policies, "cpu")
-    without = SpecRuntime(target, draft, tokenizer, policies, "cpu", kv_slots=False)
+    without = SpecRuntime(
+        target, draft, tokenizer, policies, "cpu", engine_options={"kv_slots": False}
+    )
     assert await answers(with_slots) == await answers(without)
 
 
