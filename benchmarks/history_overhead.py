@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.decoding.drafters import SuffixDrafter
-from specagent.decoding.history import HistoryStore
 from specagent.machine import machine_info, machine_kind
+from specagent.runtime.memory import HistoryStore
 
 
 def main() -> None:

@@ -49,7 +49,6 @@ from specagent.catalog import PAIRS
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
 from specagent.decoding.loop import DecodeCounters, speculative_generate
-from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.proposal import row_depths
 from specagent.decoding.registry import DRAFTERS
 from specagent.decoding.sampling import SamplingParams
@@ -63,6 +62,7 @@ from specagent.measuring.agent_bench import (
 from specagent.measuring.bench import PROMPTS
 from specagent.measuring.evaluation.prompts import load_prompt_set
 from specagent.measuring.records import dtypes_of
+from specagent.runtime.memory import PrefixCache
 
 TENANT = "replay"
 

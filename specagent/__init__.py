@@ -5,7 +5,6 @@ Public names only; everything else is private to its module.
 
 from ._version import __version__
 from .backend import Backend
-from .decoding.tenants import Tenant
 from .errors import (
     CallTimeoutError,
     ContextLengthError,
@@ -31,6 +30,7 @@ from .policy import (
 )
 from .results import GenerationResult, SpecStats, StreamChunk, Usage
 from .runtime import RuntimeOptions, SpecRuntime
+from .tenants import Tenant
 
 __all__ = [
     "Backend",

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
 
     from .chat import Prompt
-    from .decoding.tenants import Tenant
     from .grammar import Constraint
+    from .tenants import Tenant
 
 __all__ = ["Call"]
 

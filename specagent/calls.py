@@ -23,7 +23,6 @@ import anyio
 from .backend import Backend
 from .call import Call
 from .chat import TOOL_CALL_MARKERS, ToolCall, parse_tool_calls
-from .decoding.tenants import Tenant
 from .errors import (
     GenerationError,
     IncompleteOutputError,
@@ -33,6 +32,7 @@ from .errors import (
 )
 from .grammar import Constraint
 from .results import GenerationResult
+from .tenants import Tenant
 
 __all__ = [
     "ANSWER_AFTER_TOOLS",

@@ -176,3 +176,24 @@ def test_each_engines_tools_are_the_seams(engine: str) -> None:
             continue
         wanted = [p for p in inspect.signature(member).parameters if p != "self"]
         assert list(inspect.signature(getattr(tools, name)).parameters) == wanted, name
+
+
+@pytest.mark.parametrize("path", CORE, ids=_module_name)
+def test_the_core_holds_no_lock_and_touches_no_file(path: Path) -> None:
+    """What is kept between calls, under locks, budgets and tenants, is the runtime's
+    (``runtime.memory``); the core reaches it through a protocol or a plain value."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in (
+            node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")]
+        )
+    }
+    assert not imported & {"threading", "pathlib", "os", "shutil", "tempfile"}, path.name
+    opened = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func) == "open"
+    ]
+    assert not opened, path.name
+    assert not {m for m in _runtime_imports(path) if m.startswith("specagent.tenants")}, path.name

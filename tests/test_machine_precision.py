@@ -12,7 +12,6 @@ import torch
 from conftest import PinnedCosts, make_model
 
 from specagent import RuntimeOptions, SpecRuntime
-from specagent.decoding import costs as costs_module
 from specagent.engines.transformers.keys import model_key
 from specagent.engines.transformers.precision import (
     DtypeChoice,
@@ -23,6 +22,7 @@ from specagent.engines.transformers.quantized import has_int8_weights, int8_supp
 from specagent.machine import ProbeStore, config_key, fingerprint, machine_info
 from specagent.policy import Policy
 from specagent.policy.schema import DraftModelConfig
+from specagent.runtime.memory import costs as costs_module
 
 DRAFTING = [
     Policy(

@@ -30,8 +30,6 @@ from ..backend import Backend
 from ..call import Call
 from ..chat import Prompt
 from ..decoding.costs import CostModel
-from ..decoding.history import HistoryStore
-from ..decoding.prefix import PrefixCache
 from ..engines import EngineModel, engine_model, load_pair
 from ..errors import GenerationError
 from ..models import check_draft_compatible, resolve_device
@@ -51,6 +49,7 @@ from ._calls import CallPath
 from ._decoder import Decoder
 from ._gate import AdmissionGate
 from ._worker import Worker
+from .memory import HistoryStore, PrefixCache
 from .options import RuntimeOptions
 from .portal import iterate_sync, refuse_inside_event_loop
 

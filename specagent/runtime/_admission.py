@@ -17,13 +17,13 @@ from ..chat import Prompt, prediction_ids, render_prompt
 from ..decoding.drafters.base import DrafterBlock
 from ..decoding.registry import DRAFTERS
 from ..decoding.sampling import SamplingParams
-from ..decoding.tenants import HistoryScope, Tenant
 from ..engines import EngineModel
 from ..errors import ContextLengthError, InvalidRequestError, PolicyError
 from ..grammar import GrammarState, compile_constraint
 from ..policy import Policy, PolicySet, load_policies
 from ..policy.loader import format_validation_error
 from ..policy.schema import SamplingConfig
+from ..tenants import HistoryScope, Tenant
 
 __all__ = [
     "Admission",

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ..decoding.tenants import Tenant
 from ..results import GenerationResult
+from ..tenants import Tenant
 from ._admission import CallPlan
 
 if TYPE_CHECKING:

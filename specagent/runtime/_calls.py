@@ -16,10 +16,10 @@ import anyio
 from opentelemetry import context as otel_context
 
 from ..call import Call
-from ..decoding.tenants import tenant_of
 from ..errors import CallTimeoutError, InvalidRequestError
 from ..results import StreamChunk
 from ..telemetry import CallSpan, Telemetry
+from ..tenants import tenant_of
 from ._admission import Admission, CallPlan
 from ._assembly import CallAssembler
 from ._audit import CallFacts, record_call, status_of

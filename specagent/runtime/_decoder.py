@@ -12,13 +12,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..decoding.costs import CostBook, CostModel
+from ..decoding.costs import CostModel
 from ..decoding.drafters.base import DrafterBlock
 from ..decoding.drafters.predicted import PredictedDrafter
 from ..decoding.engine import Runner
-from ..decoding.history import HistoryStore
 from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
-from ..decoding.prefix import PrefixCache
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.schedule import FixedSchedule
@@ -28,6 +26,7 @@ from ..grammar import prepare
 from ..machine import ProbeStore
 from ._admission import CallPlan
 from ._worker import Worker
+from .memory import CostBook, HistoryStore, PrefixCache
 from .options import RuntimeOptions
 
 __all__ = ["Decoder"]

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from ..backend import Backend
 from ..call import Call
 from ..calls import CallSpec, split_model
-from ..decoding.tenants import Tenant
 from ..errors import ModelNotFoundError, PolicyNotFoundError
+from ..tenants import Tenant
 from .errors import ApiError, as_api_error
 from .keys import ApiKey, KeyStore
 from .options import ServerOptions

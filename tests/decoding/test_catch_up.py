@@ -10,9 +10,9 @@ from test_greedy_and_cache import run
 
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import AutoDrafter, DraftModelDrafter, SuffixDrafter
-from specagent.decoding.prefix import PrefixCache
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner
+from specagent.runtime.memory import PrefixCache
 
 # A draft step costs a fifth of a target step, each further token fed 0.05: a 200-token prompt
 # costs the draft about ten target steps to catch up on.

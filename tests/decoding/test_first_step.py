@@ -13,8 +13,8 @@ from conftest import hf_greedy, make_model
 from test_greedy_and_cache import run
 
 from specagent.decoding.drafters import DraftModelDrafter, PromptLookupDrafter
-from specagent.decoding.prefix import PrefixCache
 from specagent.engines.transformers import ALONE_ROWS, ModelRunner
+from specagent.runtime.memory import PrefixCache
 
 
 def fed_rows(runner: ModelRunner) -> list[int]:

@@ -17,9 +17,10 @@ from distributions import (
 from specagent.decoding import acceptance
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import SuffixDrafter
-from specagent.decoding.history import NGRAMS, HistoryStore, SuffixIndex, continuation
+from specagent.decoding.history import NGRAMS, SuffixIndex, continuation
 from specagent.decoding.sampling import SamplingParams
-from specagent.decoding.tenants import HistoryScope
+from specagent.runtime.memory import HistoryStore
+from specagent.tenants import HistoryScope
 
 
 def brute_force(docs: list[list[int]], context: list[int], limit: int) -> tuple[list[int], int]:

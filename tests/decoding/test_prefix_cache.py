@@ -7,8 +7,9 @@ import torch
 
 from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.chat import render_prompt
-from specagent.decoding.prefix import PrefixCache, reuse_prefix
+from specagent.decoding.prefix import reuse_prefix
 from specagent.engines.transformers import ModelRunner
+from specagent.runtime.memory import PrefixCache
 
 SYSTEM = "You are a support agent. Tools: lookup_order(order_id), shop_policy(topic). " * 3
 

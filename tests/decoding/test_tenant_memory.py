@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 from transformers import DynamicCache
 
-from specagent.decoding.history import HistoryStore
-from specagent.decoding.prefix import PrefixCache
-from specagent.decoding.tenants import HistoryScope, Tenant, tenant_of
+from specagent.runtime.memory import HistoryStore, PrefixCache
+from specagent.tenants import HistoryScope, Tenant, tenant_of
 
 
 def _text(seed: int, n: int) -> list[int]:

@@ -15,12 +15,12 @@ from policies import make_policy
 from specagent import Backend, InvalidRequestError, Policy, SpecRuntime
 from specagent.call import Call
 from specagent.calls import CallSpec, constraint_for, run_call, tool_choice_name
-from specagent.decoding import costs as costs_module
 from specagent.decoding import registry
 from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.drafters.prompt_lookup import NgramFields
 from specagent.decoding.schedule import FixedSchedule
 from specagent.results import StreamChunk
+from specagent.runtime.memory import costs as costs_module
 
 ADAPTIVE = make_policy("adaptive", {"kind": "draft_model", "num_speculative_tokens": 6})
 LOOKUP = make_policy(

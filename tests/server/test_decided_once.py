@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from live_server import KEYS, Live, key_file, live, sync_client  # fixtures by name
 
-from specagent.decoding import tenants
+from specagent import tenants
 from specagent.policy import PolicySet
 from specagent.runtime import _admission
 

@@ -54,7 +54,7 @@ def tenant_of(value: str | Tenant | None) -> Tenant | None:
 @dataclass(frozen=True)
 class HistoryScope:
     """Whose earlier calls' text a call drafts from, and where its own is kept
-    (``decoding.history.HistoryStore``'s key): a tenant's, under one policy only where
+    (``runtime.memory.HistoryStore``'s key): a tenant's, under one policy only where
     ``policy`` names it; with no tenant, the whole runtime's (single-tenant deployments)."""
 
     tenant: Tenant | str | None = None
