@@ -250,7 +250,7 @@ def speculative_steps(
         tree = proposal.tree
         if tree is not None and rule is None and constraint is None and not forced.tokens:
             if unfed:  # a tree's mask covers the cache and the tree: the prompt goes first
-                target.forward(unfed, cache, keep=1)
+                yield ForwardRequest(target, unfed, cache, keep=1)
                 unfed = _kept(prefixes, target, context, cache)
             # Several drafts in one forward (``tree.py``): the accepted path and one more token.
             judged = yield from _tree_step(target, tree, context, cache, params, generator)

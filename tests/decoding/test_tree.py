@@ -316,3 +316,54 @@ def test_a_relaxed_rule_verifies_the_first_draft_alone(target, draft) -> None:
     assert counters.num_drafts > 0
     assert last.output_ids is not None
     assert len(last.output_ids) == 12
+
+
+def test_every_forward_of_a_tree_step_is_yielded(target) -> None:
+    """The prompt a first tree step feeds before its tree is a forward the coroutine yields,
+    as every other: a worker batches what is yielded, and a forward run inside the coroutine
+    would run outside its round."""
+    from specagent.decoding.engine import ForwardRequest
+    from specagent.decoding.loop import speculative_steps
+
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    first, second = SuffixIndex(), SuffixIndex()
+    first.add(0, [9, 10, 11, 30, 31, 32, 33])
+    second.add(0, [9, 10, 11, 40, 41, 42, 43])
+    drafter = TreeDrafter(
+        SuffixDrafter([first], own_context=False), SuffixDrafter([second], own_context=False)
+    )
+    runner = ModelRunner(target)
+    ran: list[int] = []
+    forward = runner.forward
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        ran.append(len(args[0]))  # type: ignore[arg-type]
+        return forward(*args, **kwargs)  # type: ignore[arg-type]
+
+    runner.forward = counted  # type: ignore[method-assign]
+    steps = speculative_steps(
+        runner,
+        prompt,
+        params=SamplingParams(temperature=0.0),
+        generator=make_generator(0),
+        max_new_tokens=4,
+        drafter=drafter,
+        schedule=FixedSchedule(4),
+    )
+    yielded: list[int] = []
+    reply = None
+    trees = 0
+    for _ in range(100):
+        try:
+            item = steps.send(reply)
+        except StopIteration:
+            break
+        if isinstance(item, ForwardRequest):
+            yielded.append(len(item.tokens))
+            trees += item.tree is not None
+            reply = item.run()
+        else:
+            reply = None
+    assert trees  # the first step verified a tree...
+    assert yielded[0] == len(prompt) - 1  # ...after the prompt, in a forward of its own
+    assert ran == yielded  # every forward the target ran was one the coroutine yielded
