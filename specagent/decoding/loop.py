@@ -51,7 +51,7 @@ from .engine import (
 )
 from .parts import Prefixes
 from .prefix import reuse_prefix
-from .proposal import EMPTY, DraftTree, Proposal, TokenConstraint
+from .proposal import EMPTY, DraftRequest, DraftTree, Proposal, TokenConstraint
 from .sampling import SamplingParams, logits_to_probs
 from .schedule import FixedSchedule, Schedule
 from .tree import TreeVerdict, verify_tree
@@ -241,9 +241,8 @@ def speculative_steps(
         complete = constraint is not None and constraint.is_stopped()  # forced to the end
         if k > 0 and drafter is not None and not complete:
             drafted_from = [*context, *forced.tokens]
-            proposal = yield from drafter.propose_steps(
-                drafted_from, k, params, generator, constraint
-            )
+            ask = DraftRequest(drafted_from, k, params, generator, constraint)
+            proposal = yield from drafter.propose_steps(ask)
         else:
             proposal = EMPTY
         proposed = len(proposal.tokens)

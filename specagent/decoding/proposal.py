@@ -6,11 +6,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["EMPTY", "DraftTree", "Proposal", "TokenConstraint", "row_depths"]
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
+
+__all__ = ["EMPTY", "DraftRequest", "DraftTree", "Proposal", "TokenConstraint", "row_depths"]
+
+
+class DraftRequest(NamedTuple):
+    """What a drafter is asked at each step (``Drafter.propose``), as one object."""
+
+    context: list[int]
+    """The call's tokens so far (prompt, output, and any tokens the grammar forces next)."""
+    k: int
+    """The most tokens to propose."""
+    params: SamplingParams
+    """How the distributions are shaped (a sampling drafter draws from them)."""
+    generator: torch.Generator
+    """The call's own random stream."""
+    constraint: TokenConstraint | None = None
+    """Under a grammar: only allowed tokens, each consumed into it (the loop rolls them
+    back)."""
 
 
 @dataclass(frozen=True)

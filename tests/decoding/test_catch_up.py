@@ -109,11 +109,11 @@ class _Recording(DraftModelDrafter):
         super().__init__(*args, **kwargs)
         self.drafted_at: list[int] = []
 
-    def propose_steps(self, context, k, params, generator, constraint=None):
+    def propose_steps(self, ask):
         before = self.draft_forwards
-        proposal = yield from super().propose_steps(context, k, params, generator, constraint)
+        proposal = yield from super().propose_steps(ask)
         if self.draft_forwards > before:
-            self.drafted_at.append(len(context))
+            self.drafted_at.append(len(ask.context))
         return proposal
 
 

@@ -23,6 +23,7 @@ from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.engine import advance
 from specagent.decoding.loop import speculative_generate
+from specagent.decoding.proposal import DraftRequest
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import FixedSchedule
 
@@ -47,7 +48,7 @@ class HostReads(TorchFunctionMode):
 
 def propose(drafter: DraftModelDrafter, context: list[int], k: int, params: SamplingParams, seed=0):
     """One draft, its forwards run inline; returns the proposal."""
-    steps = drafter.propose_steps(context, k, params, make_generator(seed))
+    steps = drafter.propose_steps(DraftRequest(context, k, params, make_generator(seed)))
     try:
         while True:
             advance(steps, None, inline=True)

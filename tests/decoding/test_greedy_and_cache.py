@@ -11,6 +11,7 @@ from transformers import LlamaForCausalLM
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import DraftModelDrafter, EarlyExitDrafter, PromptLookupDrafter
 from specagent.decoding.loop import speculative_generate
+from specagent.decoding.proposal import DraftRequest
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.engines.transformers import ModelRunner, early_exit_view
@@ -254,8 +255,8 @@ def test_lookup_guesses_give_the_drafts_own_proposals_in_fewer_forwards(
     gen_a, gen_b = make_generator(7), make_generator(7)
     proposed = 0
     for _ in range(8):
-        a = plain.propose(list(context), 6, params, gen_a)
-        b = guessing.propose(list(context), 6, params, gen_b)
+        a = plain.propose(DraftRequest(list(context), 6, params, gen_a))
+        b = guessing.propose(DraftRequest(list(context), 6, params, gen_b))
         assert a.tokens == b.tokens
         if temperature > 0:  # greedy proposals are deterministic: q is one-hot on the tokens
             assert a.probs is not None

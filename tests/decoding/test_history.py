@@ -18,6 +18,7 @@ from specagent.decoding import acceptance
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import SuffixDrafter
 from specagent.decoding.history import NGRAMS, SuffixIndex, continuation
+from specagent.decoding.proposal import DraftRequest
 from specagent.decoding.sampling import SamplingParams
 from specagent.runtime.memory import HistoryStore
 from specagent.tenants import HistoryScope
@@ -159,9 +160,14 @@ def test_one_tenants_history_is_invisible_to_another() -> None:
     store.record(HistoryScope("a"), [1, 2, 3], secret)
     assert store.indexes(HistoryScope("b")) == []
     drafter = SuffixDrafter(store.indexes(HistoryScope("b")), own_context=True)
-    assert drafter.propose([1, 2, 3], 6, SamplingParams(0.0), torch.Generator()).tokens == []
+    assert (
+        drafter.propose(DraftRequest([1, 2, 3], 6, SamplingParams(0.0), torch.Generator())).tokens
+        == []
+    )
     drafter = SuffixDrafter(store.indexes(HistoryScope("a")), own_context=True)
-    assert drafter.propose([1, 2, 3], 6, SamplingParams(0.0), torch.Generator()).tokens[:3] == [
+    assert drafter.propose(
+        DraftRequest([1, 2, 3], 6, SamplingParams(0.0), torch.Generator())
+    ).tokens[:3] == [
         7,
         8,
         9,
@@ -175,9 +181,11 @@ def test_draft_length_follows_the_vote_and_the_verify_cost() -> None:
     params, gen = SamplingParams(0.0), torch.Generator()
     cheap = SuffixDrafter([index], CostModel(verify=(1.0,) * 9), own_context=False)
     # After [1, 2, 3]: two places agree on 4, then split 1:1; free verification keeps going.
-    assert len(cheap.propose([1, 2, 3], 8, params, gen).tokens) >= 2
+    assert len(cheap.propose(DraftRequest([1, 2, 3], 8, params, gen)).tokens) >= 2
     steep = SuffixDrafter([index], CostModel(verify=(1.0, 3.0, 5.0, 7.0)), own_context=False)
-    assert steep.propose([1, 2, 3], 8, params, gen).tokens == []  # a second row is too dear
+    assert (
+        steep.propose(DraftRequest([1, 2, 3], 8, params, gen)).tokens == []
+    )  # a second row is too dear
 
 
 # --------------------------------------------------------------------------- exactness

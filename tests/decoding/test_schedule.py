@@ -9,6 +9,7 @@ import torch
 
 from specagent.decoding.costs import CostModel, interpolate_costs
 from specagent.decoding.drafters import DraftModelDrafter
+from specagent.decoding.proposal import DraftRequest
 from specagent.decoding.sampling import SamplingParams
 from specagent.decoding.schedule import AdaptiveSchedule
 from specagent.engines.transformers import ModelRunner
@@ -109,8 +110,10 @@ def test_cost_planned_drafts_are_prefixes_of_the_full_draft(target, draft) -> No
     runner = ModelRunner(draft)
     context = [5, 11, 42, 57, 99, 23, 64, 8, 77, 31]
     params, generator = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-    full = DraftModelDrafter(runner).propose(context, 8, params, generator).tokens
-    planned = DraftModelDrafter(runner, costs=CPU_LIKE).propose(context, 8, params, generator)
+    full = DraftModelDrafter(runner).propose(DraftRequest(context, 8, params, generator)).tokens
+    planned = DraftModelDrafter(runner, costs=CPU_LIKE).propose(
+        DraftRequest(context, 8, params, generator)
+    )
     assert 1 <= len(planned.tokens) <= 8
     assert planned.tokens == full[: len(planned.tokens)]
 

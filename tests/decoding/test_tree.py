@@ -21,7 +21,7 @@ from specagent.decoding.drafters import AutoDrafter, Drafter, DraftModelDrafter,
 from specagent.decoding.engine import keep_path
 from specagent.decoding.history import SuffixIndex, continuation, runner_up
 from specagent.decoding.loop import DecodeEvent, speculative_generate
-from specagent.decoding.proposal import DraftTree, Proposal, TokenConstraint
+from specagent.decoding.proposal import DraftRequest, DraftTree, Proposal
 from specagent.decoding.sampling import SamplingParams, make_generator
 from specagent.decoding.schedule import AdaptiveSchedule, FixedSchedule
 from specagent.decoding.tree import tree_mask, verify_tree
@@ -122,15 +122,8 @@ class TreeDrafter(Drafter):
     def __init__(self, *drafters: object) -> None:
         self.drafters = drafters
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        drafts = [d.propose(context, k, params, generator) for d in self.drafters]  # type: ignore[attr-defined]
+    def propose(self, ask: DraftRequest) -> Proposal:
+        drafts = [d.propose(ask) for d in self.drafters]  # type: ignore[attr-defined]
         drafts = [d for d in drafts if d.tokens]
         if not drafts:
             return Proposal([])
@@ -197,7 +190,9 @@ def test_the_runner_up_takes_the_other_way_at_the_likeliest_split() -> None:
 def test_suffix_drafts_carry_the_runner_up_where_rows_are_free() -> None:
     drafter = _history_drafter()
     drafter.trees = True
-    proposal = drafter.propose([3, 7, 3], 4, SamplingParams(temperature=0.0), make_generator(0))
+    proposal = drafter.propose(
+        DraftRequest([3, 7, 3], 4, SamplingParams(temperature=0.0), make_generator(0))
+    )
     assert proposal.tree is not None
     chains = [[proposal.tree.tokens[n] for n in chain] for chain in proposal.tree.chains]
     assert chains[0] == proposal.tokens
@@ -292,7 +287,9 @@ def test_trees_are_built_where_the_model_is_chosen_and_history_disagrees(target,
         )
         # The history's vote is worth less than the model's expected run: the model drafts.
         drafter.history._calibration.hits = 0.2
-        proposal = drafter.propose(context, 6, SamplingParams(temperature=0.0), make_generator(0))
+        proposal = drafter.propose(
+            DraftRequest(context, 6, SamplingParams(temperature=0.0), make_generator(0))
+        )
         assert proposal.source == "model"
         assert proposal.tokens
         if trees:

@@ -14,8 +14,7 @@ import torch
 from ..costs import expected_tokens, most_per_cost
 from ..engine import ForwardRequest
 from ..history import Continuation
-from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
-from ..sampling import SamplingParams
+from ..proposal import EMPTY, DraftRequest, DraftTree, Proposal
 from ..schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .base import Drafter, DrafterKind, StepwiseDrafter
 from .draft_model import ModelDraftFields, build_draft_model
@@ -56,13 +55,9 @@ class AutoDrafter(StepwiseDrafter):
         self._source: str | None = None
 
     def propose_steps(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
+        self, ask: DraftRequest
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
+        context, k, _, _, constraint = ask
         model_k, model_rate = 0, 0.0
         if self.model is not None and self.schedule is not None:
             model_k = self.schedule.next_k(k)
@@ -86,9 +81,7 @@ class AutoDrafter(StepwiseDrafter):
             return self.history.take(found, constraint)
         if self.model is not None and model_k > 0:
             self._source = "model"
-            proposal: Proposal = yield from self.model.propose_steps(
-                context, model_k, params, generator, constraint
-            )
+            proposal: Proposal = yield from self.model.propose_steps(ask._replace(k=model_k))
             if self.trees and found.tokens and proposal.tokens and constraint is None:
                 return self._with_history_branch(proposal, found)
             return proposal

@@ -13,8 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..engine import ForwardRequest, Runner, advance
-from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
-from ..sampling import SamplingParams
+from ..proposal import EMPTY, DraftRequest, DraftTree, Proposal, TokenConstraint
 from ..schedule import Schedule
 
 if TYPE_CHECKING:
@@ -54,29 +53,18 @@ class Drafter:
 
     name: str = "drafter"
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        """Up to ``k`` tokens to follow ``context`` (prompt + output so far). Under a
-        ``constraint``, only allowed tokens, each consumed into it (the loop rolls them back)."""
+    def propose(self, ask: DraftRequest) -> Proposal:
+        """Up to ``ask.k`` tokens to follow ``ask.context`` (prompt + output so far). Under
+        ``ask.constraint``, only allowed tokens, each consumed into it (the loop rolls them
+        back)."""
         raise NotImplementedError
 
     def propose_steps(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
+        self, ask: DraftRequest
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
         """``propose`` as a coroutine of forward requests: none here (nothing to run)."""
         yield from ()
-        return self.propose(context, k, params, generator, constraint)
+        return self.propose(ask)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted (nothing to learn here)."""
@@ -96,23 +84,11 @@ class StepwiseDrafter(Drafter):
     """Base of drafters that run a model: ``propose_steps`` yields each draft forward (so the
     runtime can batch them across calls); ``propose`` runs them inline."""
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        return run_inline(self.propose_steps(context, k, params, generator, constraint))
+    def propose(self, ask: DraftRequest) -> Proposal:
+        return run_inline(self.propose_steps(ask))
 
     def propose_steps(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
+        self, ask: DraftRequest
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
         raise NotImplementedError
 

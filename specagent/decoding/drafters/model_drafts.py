@@ -15,7 +15,7 @@ from ..costs import CostModel, expected_tokens, most_per_cost
 from ..engine import ForwardRequest, Runner, Tokens, crop_to
 from ..parts import Prefixes
 from ..prefix import common_prefix_length, reuse_prefix
-from ..proposal import EMPTY, Proposal, TokenConstraint
+from ..proposal import EMPTY, DraftRequest, Proposal
 from ..sampling import SamplingParams, logits_to_probs, sample
 from ..vocab import CallVocabulary
 from .base import Calibration, StepwiseDrafter, lookup_continuation
@@ -89,15 +89,11 @@ class DraftModelDrafter(StepwiseDrafter):
         """This call's own ids beyond the runner's ``head_rows`` (None: the whole head)."""
 
     def propose_steps(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
+        self, ask: DraftRequest
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
         """``propose`` as a coroutine that yields each draft forward instead of running it, so
         the runtime can batch the draft steps of many calls into one forward."""
+        context, k, params, generator, constraint = ask
         if k <= 0 or not context or not self.catch_up_pays(context):
             return EMPTY
         feed, prompt = self._unfed(context)

@@ -13,8 +13,7 @@ import torch
 from ..alignment import SpanCopier
 from ..costs import CostModel
 from ..engine import ForwardRequest
-from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
-from ..sampling import SamplingParams
+from ..proposal import EMPTY, DraftRequest, DraftTree, Proposal
 from ..schedule import Schedule
 from .base import Drafter, StepwiseDrafter, admissible
 
@@ -38,22 +37,17 @@ class PredictedDrafter(StepwiseDrafter):
         """Whether the last proposal was the prediction's."""
 
     def propose_steps(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
+        self, ask: DraftRequest
     ) -> Generator[ForwardRequest, torch.Tensor | None, Proposal]:
-        found, rate = self.copier.candidate(context, k, self.costs)
+        found, rate = self.copier.candidate(ask.context, ask.k, self.costs)
         self._copied = bool(found.tokens) and rate > 1.0
         if self._copied:
-            kept = admissible(list(found.tokens), constraint)
+            kept = admissible(list(found.tokens), ask.constraint)
             return Proposal(kept.tokens, masks=kept.masks, source="prediction")
-        own_k = self.schedule.next_k(k)
+        own_k = self.schedule.next_k(ask.k)
         if own_k <= 0:
             return EMPTY
-        return (yield from self.inner.propose_steps(context, own_k, params, generator, constraint))
+        return (yield from self.inner.propose_steps(ask._replace(k=own_k)))
 
     def observe(self, proposed: int, accepted: int) -> None:
         if self._copied:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field, model_validator
 
-from ..proposal import EMPTY, Proposal, TokenConstraint
-from ..sampling import SamplingParams
+from ..proposal import EMPTY, DraftRequest, Proposal
 from ..schedule import AdaptiveSchedule, FixedSchedule, Schedule
 from .base import (
     AdaptiveFields,
@@ -64,20 +62,13 @@ class PromptLookupDrafter(Drafter):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        if k <= 0:
+    def propose(self, ask: DraftRequest) -> Proposal:
+        if ask.k <= 0:
             return EMPTY
-        follow = lookup_continuation(context, k, self.min_ngram, self.max_ngram)
+        follow = lookup_continuation(ask.context, ask.k, self.min_ngram, self.max_ngram)
         if not follow:
             return EMPTY
-        found = admissible(follow, constraint)
+        found = admissible(follow, ask.constraint)
         return Proposal(found.tokens, masks=found.masks, source="history")
 
 

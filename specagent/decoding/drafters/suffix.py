@@ -18,13 +18,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from ..alignment import CopyRates, SpanCopier
 from ..costs import CostModel, chained_gains, draft_length, most_per_cost
 from ..history import Continuation, SuffixIndex, continuation, runner_up
-from ..proposal import EMPTY, DraftTree, Proposal, TokenConstraint
-from ..sampling import SamplingParams
+from ..proposal import EMPTY, DraftRequest, DraftTree, Proposal, TokenConstraint
 from ..schedule import FixedSchedule, Schedule
 from .base import Calibration, Drafter, DrafterBlock, DrafterKind, admissible
 
@@ -192,18 +189,11 @@ class SuffixDrafter(Drafter):
         self._calibration.last = found.confidences[: len(proposal.tokens)]
         return Proposal(proposal.tokens, masks=proposal.masks, source="history")
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: TokenConstraint | None = None,
-    ) -> Proposal:
-        found, _ = self.candidate(context, k)
-        if constraint is None:
-            return self.with_runner_up(context, found, k)
-        return self.take(found, constraint)
+    def propose(self, ask: DraftRequest) -> Proposal:
+        found, _ = self.candidate(ask.context, ask.k)
+        if ask.constraint is None:
+            return self.with_runner_up(ask.context, found, ask.k)
+        return self.take(found, ask.constraint)
 
     def observe(self, proposed: int, accepted: int) -> None:
         if self._chosen is not None:
