@@ -8,11 +8,15 @@
     ├── ModelLoadError              a model or tokenizer could not be loaded
     │   └── IncompatibleDraftError  the draft model cannot speculate for this target (vocabulary)
     ├── InvalidRequestError         a call's input is wrong (empty prompt, bad ids, bad lengths)
+    │   ├── ModelNotFoundError      a call named a model this runtime or server does not serve
     │   └── ContextLengthError      the prompt does not fit the model's context window
     ├── RuntimeClosedError          the runtime was closed while the call waited or ran
     ├── RuntimeOverloadedError      the admission queue is full; retry later
+    ├── CallTimeoutError            the call passed its deadline (``timeout``)
     ├── GenerationError             the worker failed while decoding this call (cause chained)
-    └── EvaluationError             an eval/tune input is wrong (prompt set) or no setting fits
+    │   └── IncompleteOutputError   the output ended before it parsed (a cut tool call, JSON)
+    ├── EvaluationError             an eval/tune input is wrong (prompt set) or no setting fits
+    └── KeyConfigError              the server's key file or ``SPECAGENT_API_KEYS`` is malformed
 
 Errors about bad input also derive from :class:`ValueError` so that generic callers catching
 ``ValueError`` keep working; ``PolicyNotFoundError`` is also a :class:`LookupError`.
@@ -30,6 +34,7 @@ __all__ = [
     "IncompatibleDraftError",
     "IncompleteOutputError",
     "InvalidRequestError",
+    "KeyConfigError",
     "ModelLoadError",
     "ModelNotFoundError",
     "PolicyError",
@@ -115,3 +120,8 @@ class IncompleteOutputError(GenerationError):
 class EvaluationError(SpecAgentError, ValueError):
     """``specagent eval`` / ``tune`` could not run: a prompt set is missing or malformed (the
     message names the file and line), or no setting stays within the budget."""
+
+
+class KeyConfigError(SpecAgentError, ValueError):
+    """The key file or ``SPECAGENT_API_KEYS`` is malformed; the message names where (never a
+    key)."""

@@ -30,6 +30,36 @@ def test_errors_form_one_tree() -> None:
     assert issubclass(specagent.ContextLengthError, specagent.InvalidRequestError)
 
 
+def test_every_error_the_package_raises_is_in_the_tree() -> None:
+    """Each ``SpecAgentError`` subclass anywhere in the package is defined in ``errors``,
+    exported from the package and drawn in the tree its docstring shows."""
+    import importlib
+    import pkgutil
+
+    from specagent import errors
+
+    for info in pkgutil.walk_packages(specagent.__path__, "specagent."):
+        if info.name.endswith(("__main__", "probe_child")):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError:  # an optional extra that is not installed
+            continue
+    found: set[type] = set()
+    pending = [specagent.SpecAgentError]
+    while pending:
+        cls = pending.pop()
+        found.add(cls)
+        pending.extend(cls.__subclasses__())
+    for cls in found:
+        assert cls.__module__ == "specagent.errors", cls
+        assert cls.__name__ in errors.__all__, cls
+        assert cls.__name__ in specagent.__all__, cls
+        assert f" {cls.__name__}\n" in (errors.__doc__ or "") or f" {cls.__name__} " in (
+            errors.__doc__ or ""
+        ), cls
+
+
 def test_spec_stats_fields_follow_the_design() -> None:
     import dataclasses
 

@@ -34,17 +34,13 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import SpecAgentError
+from ..errors import KeyConfigError
 
 __all__ = ["ApiKey", "KeyConfigError", "KeyStore", "hash_key"]
 
 ENV_VAR = "SPECAGENT_API_KEYS"
 MIN_KEY_CHARS = 16
 _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
-
-
-class KeyConfigError(SpecAgentError, ValueError):
-    """The key file or ``SPECAGENT_API_KEYS`` is malformed; the message names where."""
 
 
 def hash_key(key: str) -> str:
