@@ -6,11 +6,11 @@ llama.cpp with its sequences) is the engine's own business, decided when it is l
 
 - ``KVSequence``: one call's KV on one model: how long it is, and cut back to a length.
   ``copy.deepcopy`` gives an independent sequence with the same content; dropping the last
-  reference frees it. Two operations an engine declares for its sequence types (registered
-  on ``functools.singledispatch`` seams, so the core edits no engine's cache itself):
-  ``kept_sequence`` (what the prefix cache keeps of a sequence: by default a deep copy, or the
-  sequence itself when its call is done with it) and ``keep_path`` (after a token-tree
-  forward, keep the accepted path's rows; only a runner that ``takes_trees`` needs it).
+  reference frees it. Two more operations on its sequences are the runner's, so the core edits
+  no engine's cache itself: ``Runner.kept`` (what the prefix cache keeps of a sequence: a deep
+  copy, or the sequence itself when its call is done with it; ``CopiedSequences`` is that
+  default) and ``Runner.keep_path`` (after a token-tree forward, keep the accepted path's
+  rows; only a runner that ``takes_trees`` does).
 - ``Runner``: forwards over new tokens after a sequence, one call's (``forward``) or several
   calls' in one engine call (``forward_batch``), returning float32 logits of the rows asked for
   (``keep``), over the target's vocabulary. The new tokens are ids on the host, or ids a
@@ -29,7 +29,6 @@ are transformers ``Cache`` objects, which already behave as a ``KVSequence``);
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias, runtime_checkable
@@ -37,6 +36,7 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 import torch
 
 __all__ = [
+    "CopiedSequences",
     "ForwardRequest",
     "KVSequence",
     "Runner",
@@ -45,8 +45,6 @@ __all__ = [
     "align_vocab",
     "crop_to",
     "cropped_length",
-    "keep_path",
-    "kept_sequence",
     "to_device",
     "token_list",
     "token_rows",
@@ -155,6 +153,17 @@ class Runner(Protocol):
         """A kept prefix's private copy as the kind of sequence this runner's calls use."""
         ...
 
+    def kept(self, cache: Any, copied: bool) -> Any:
+        """What the prefix cache keeps of ``cache``: an independent copy, or (``copied=False``:
+        its call is done with it) the sequence itself where that can be kept as it is."""
+        ...
+
+    def keep_path(self, cache: Any, start: int, path: list[int]) -> None:
+        """After a token-tree forward that wrote its rows from position ``start`` (the root),
+        keep the KV of the root and the accepted ``path`` (nodes), moved to follow one
+        another, and drop the rest (``takes_trees`` runners only)."""
+        ...
+
     def forward(
         self,
         input_ids: Tokens,
@@ -224,22 +233,16 @@ def crop_to(cache: KVSequence, length: int) -> None:
         cache.crop(-extra)
 
 
-@functools.singledispatch
-def kept_sequence(cache: Any, copied: bool) -> Any:
-    """What the prefix cache keeps of ``cache``: a deep copy, or (``copied=False``: its call is
-    done with it) the sequence itself. An engine whose live sequences should not be kept as they
-    are registers its own (a KV slot keeps an ordinary cache of its length, not the pool's
-    buffers)."""
-    return copy.deepcopy(cache) if copied else cache
+class CopiedSequences:
+    """The sequence side of ``Runner`` for an engine whose sequences are kept as deep copies (or
+    as themselves once their call is done) and that runs no token trees."""
 
+    def kept(self, cache: Any, copied: bool) -> Any:
+        return copy.deepcopy(cache) if copied else cache
 
-@functools.singledispatch
-def keep_path(cache: Any, start: int, path: list[int]) -> None:
-    """After a token-tree forward that wrote its rows from position ``start`` (the root), keep
-    the KV of the root and the accepted ``path`` (nodes), moved to follow one another, and drop
-    the rest. Each engine whose runner ``takes_trees`` registers it for its sequences."""
-    msg = f"{type(cache).__name__} cannot keep a token tree's path: its runner takes no trees"
-    raise TypeError(msg)
+    def keep_path(self, cache: Any, start: int, path: list[int]) -> None:
+        msg = f"{type(cache).__name__} cannot keep a token tree's path: its runner takes no trees"
+        raise TypeError(msg)
 
 
 @dataclass

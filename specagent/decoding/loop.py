@@ -46,7 +46,6 @@ from .engine import (
     Runner,
     advance,
     crop_to,
-    keep_path,
     to_device,
 )
 from .parts import Prefixes
@@ -327,7 +326,7 @@ def _tree_step(
     generator: torch.Generator,
 ) -> Generator[ForwardRequest, torch.Tensor | None, TreeVerdict]:
     """One forward over the last token and the tree's nodes (its mask and positions), the walk
-    down the tree, and the accepted path's KV kept (``engine.keep_path``)."""
+    down the tree, and the accepted path's KV kept (``Runner.keep_path``)."""
     logits = yield ForwardRequest(
         target, [context[-1], *tree.tokens], cache, tree=tree.row_parents()
     )
@@ -335,7 +334,7 @@ def _tree_step(
         raise RuntimeError("a forward request must be answered with its logits")
     probs = None if params.greedy else logits_to_probs(logits, params)
     judged = verify_tree(tree, logits, params.greedy, probs, generator)
-    keep_path(cache, len(context) - 1, judged.path)
+    target.keep_path(cache, len(context) - 1, judged.path)
     return judged
 
 

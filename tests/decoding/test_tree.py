@@ -18,7 +18,6 @@ from specagent.decoding import tree as tree_module
 from specagent.decoding.acceptance import TopKRule
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters import AutoDrafter, Drafter, DraftModelDrafter, SuffixDrafter
-from specagent.decoding.engine import keep_path
 from specagent.decoding.history import SuffixIndex, continuation, runner_up
 from specagent.decoding.loop import DecodeEvent, speculative_generate
 from specagent.decoding.proposal import DraftRequest, DraftTree, Proposal
@@ -89,7 +88,7 @@ def test_a_tree_forward_equals_each_drafts_chain_and_keeps_the_accepted_path(
         rows = [0, *(node + 1 for node in chain)]
         torch.testing.assert_close(logits[rows], chain_logits, atol=1e-5, rtol=1e-5)
     # Keep the second draft's path (not contiguous in the tree's rows), then go on decoding.
-    keep_path(in_tree, len(context) - 1, tree.chains[1])
+    runner.keep_path(in_tree, len(context) - 1, tree.chains[1])
     assert in_tree.get_seq_length() == len(context) + 4
     reference = copy.deepcopy(cache)
     runner.forward([context[-1], 11, 14, 15, 16], reference)

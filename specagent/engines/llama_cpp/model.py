@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...decoding.costs import SettlesNothing
-from ...decoding.engine import Tokens, align_vocab, token_list
+from ...decoding.engine import CopiedSequences, Tokens, align_vocab, token_list
 from ...errors import GenerationError, ModelLoadError
 from ...machine import ProbeStore
 from ..base import Capabilities, EngineModel, RunnerNeeds
@@ -392,7 +392,7 @@ class LlamaCppModel(EngineModel):
         return f"LlamaCppModel({self.name!r}: {self.description}, {self.threads} threads)"
 
 
-class LlamaCppRunner(SettlesNothing):
+class LlamaCppRunner(SettlesNothing, CopiedSequences):
     """The decoding core's runner over a ``LlamaCppModel``: forwards over new tokens after a
     sequence, returning float32 logits (``[n_kept, V]``, V the target's vocabulary). llama.cpp
     chooses its own kernels: nothing here is tuned after load, ``tune`` only times."""

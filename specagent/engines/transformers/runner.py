@@ -16,6 +16,7 @@ several calls' (``batched``), token trees (``trees``), the kernel plan and head 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from .batched import ALONE_ROWS, BatchedForwards, cache_for
 from .compiled import CompiledSlots, serial_forwards
 from .kernels import LinearPlan, PackedWeights
 from .keys import model_key
-from .slots import SlotPool, SlotSequence, slot_shapes
+from .slots import SlotPool, SlotSequence, keep_cache_path, slot_shapes
 from .trees import TreeForwards
 from .tuned import PREFILL_LENGTHS, TunedForwards
 from .views import (
@@ -221,6 +222,20 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
             return cache
         self._pool.fill(sequence, cache)
         return sequence  # type: ignore[return-value]
+
+    def kept(self, cache: DynamicCache, copied: bool) -> DynamicCache:
+        """A slot's prefix is kept as an ordinary cache of its length (the pool's buffers stay
+        the pool's), copied or not; an ordinary cache as a copy, or itself."""
+        if isinstance(cache, SlotSequence):
+            return cache.kept_copy()
+        return copy.deepcopy(cache) if copied else cache
+
+    def keep_path(self, cache: DynamicCache, start: int, path: list[int]) -> None:
+        """A token tree's accepted path kept: in the slot, or by moving the cache's rows."""
+        if isinstance(cache, SlotSequence):
+            cache.keep_path(start, path)
+        else:
+            keep_cache_path(cache, start, path)
 
     @torch.inference_mode()
     def forward(

@@ -42,7 +42,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...decoding.engine import crop_to, cropped_length, keep_path, kept_sequence, to_device
+from ...decoding.engine import crop_to, cropped_length, to_device
 
 __all__ = [
     "PoolFull",
@@ -50,6 +50,7 @@ __all__ = [
     "SlotBatch",
     "SlotPool",
     "SlotSequence",
+    "keep_cache_path",
     "slot_shapes",
 ]
 
@@ -297,9 +298,9 @@ class SlotSequence:
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a token tree written from position ``start`` (its root), keep the root and
         the accepted ``path`` (nodes), moved to follow one another
-        (``decoding.engine.keep_path``)."""
+        (``Runner.keep_path``)."""
         if self.own is not None:
-            keep_path(self.own, start, path)
+            keep_cache_path(self.own, start, path)
             return
         rows = [start + 1 + node for node in path]
         if rows != list(range(start + 1, start + 1 + len(rows))):
@@ -408,21 +409,8 @@ class SlotBatch(Cache):
         raise TypeError("a SlotBatch lives for one forward; keep the calls' SlotSequences")
 
 
-@kept_sequence.register
-def _kept_slot(cache: SlotSequence, copied: bool) -> DynamicCache:
-    """A slot's prefix is kept as an ordinary cache of its length (the pool's buffers stay
-    the pool's), copied or not."""
-    return cache.kept_copy()
-
-
-@keep_path.register
-def _keep_slot_path(cache: SlotSequence, start: int, path: list[int]) -> None:
-    cache.keep_path(start, path)
-
-
-@keep_path.register
 @torch.inference_mode()
-def _keep_cache_path(cache: Cache, start: int, path: list[int]) -> None:
+def keep_cache_path(cache: Cache, start: int, path: list[int]) -> None:
     """A transformers cache keeps a tree's accepted path by moving its rows in every layer."""
     rows = [start + 1 + node for node in path]
     if rows != list(range(start + 1, start + 1 + len(rows))):

@@ -1,7 +1,7 @@
 """The prefix cache: KV of earlier prompts and conversations, kept per tenant and runner, so that
 the next turn of a conversation prefills only its new message. Engine-agnostic: an entry is a
 copy of whatever a runner's ``new_cache`` made (``KVSequence``), taken as its engine declares
-(``engine.kept_sequence``). The decoding loop reaches it through ``decoding.parts.Prefixes``."""
+(``Runner.kept``). The decoding loop reaches it through ``decoding.parts.Prefixes``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
-from ...decoding.engine import crop_to, kept_sequence
+from ...decoding.engine import Runner, crop_to
 from ...decoding.prefix import common_prefix_length
 from ...errors import GenerationError
 from ...tenants import Tenant
@@ -127,7 +127,7 @@ class PrefixCache:
         for old in covered:  # the new entry holds all of them
             self._drop(old)
         try:
-            kept = kept_sequence(cache, copy)
+            kept = _runner_of(owner).kept(cache, copy)
         except GenerationError:  # an engine with no sequence left for a copy: keep none
             return
         crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
@@ -207,6 +207,12 @@ class Scoped(NamedTuple):
 
     scope: Hashable
     owner: object
+
+
+def _runner_of(owner: object) -> Runner:
+    """The runner an entry's KV is of (an owner as stored, or within a scope)."""
+    runner = owner.owner if isinstance(owner, Scoped) else owner
+    return runner  # type: ignore[return-value]  # the loop and the drafters store runners
 
 
 def _tenant_of(owner: object) -> Hashable:

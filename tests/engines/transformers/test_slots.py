@@ -282,8 +282,6 @@ async def test_the_runtime_answers_the_same_with_and_without_slots(
 def test_a_token_tree_over_a_slot_gives_the_logits_and_kept_path_of_an_ordinary_cache(
     model,
 ) -> None:
-    from specagent.decoding.engine import keep_path
-
     runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
     assert runner.takes_trees
     prompt = list(range(3, 30))
@@ -296,8 +294,8 @@ def test_a_token_tree_over_a_slot_gives_the_logits_and_kept_path_of_an_ordinary_
     want = plain.forward(tokens, ordinary, tree=parents)
     torch.testing.assert_close(got, want, **TOL)
     start = len(prompt)
-    for cache in (slot, ordinary):
-        keep_path(cache, start, [2, 3])  # the second branch: nodes 43, 44 (rows 3, 4)
+    for owner, cache in ((runner, slot), (plain, ordinary)):
+        owner.keep_path(cache, start, [2, 3])  # the second branch: nodes 43, 44 (rows 3, 4)
     assert slot.get_seq_length() == ordinary.get_seq_length() == start + 3
     torch.testing.assert_close(runner.forward([45], slot), plain.forward([45], ordinary), **TOL)
 
