@@ -292,8 +292,8 @@ def test_from_pretrained_auto_measures_dtype_for_target_and_draft(
 
 
 def test_unknown_dtype_names_what_is_accepted(tmp_path: Path) -> None:
+    from specagent.engines.transformers.checkpoint import resolve_dtype
     from specagent.errors import ModelLoadError
-    from specagent.models import resolve_dtype
 
     with pytest.raises(ModelLoadError, match="expected 'auto' or one of"):
         resolve_dtype("float8", torch.device("cpu"))

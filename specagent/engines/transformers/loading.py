@@ -12,8 +12,9 @@ import torch
 from ...catalog import cache_dir, resolve_model
 from ...errors import ModelLoadError
 from ...machine import ProbeStore, config_key
-from ...models import load_config, load_model, load_tokenizer, resolve_dtype
+from ...models import load_tokenizer
 from ..base import Loaded, LoadRequest
+from .checkpoint import load_config, load_model, resolve_dtype
 from .model import TransformersModel, transformers_options
 from .precision import INT8, DtypeChoice, Role, choose_dtype, load_as
 from .quantized import int8_supported

@@ -11,8 +11,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
-from ...models import context_window, model_vocab_size, num_layers
 from ..base import Capabilities, EngineModel, RunnerNeeds
+from .checkpoint import context_window, model_vocab_size, num_layers
 from .head import head_rows_for
 from .runner import ModelRunner, PrefillTwin, early_exit_view
 from .tuning import build_runner

@@ -19,6 +19,7 @@ from specagent.decoding import acceptance
 from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.sampling import SamplingParams
 from specagent.engines.transformers import ModelRunner
+from specagent.engines.transformers.checkpoint import model_vocab_size
 from specagent.engines.transformers.keys import model_key
 from specagent.engines.transformers.quantized import (
     Int8Linear,
@@ -26,7 +27,6 @@ from specagent.engines.transformers.quantized import (
     int8_supported,
     quantize_linears,
 )
-from specagent.models import model_vocab_size
 
 pytestmark = pytest.mark.skipif(
     not int8_supported(torch.device("cpu")), reason="this torch has no CPU int8 weight kernel"
