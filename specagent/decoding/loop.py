@@ -59,6 +59,7 @@ __all__ = [
     "DecodeCounters",
     "DecodeEvent",
     "DecodeSteps",
+    "Decoding",
     "ForwardRequest",
     "speculative_generate",
     "speculative_steps",
@@ -175,8 +176,9 @@ DecodeSteps = Generator["ForwardRequest | DecodeEvent", "torch.Tensor | None", N
 def speculative_generate(
     target: Runner, prompt_ids: Sequence[int], **options: Any
 ) -> Iterator[DecodeEvent]:
-    """``speculative_steps`` with every forward run inline: one event per step."""
-    steps = speculative_steps(target, prompt_ids, **options)
+    """``speculative_steps`` with every forward run inline: one event per step (``options``:
+    the fields of ``Decoding``)."""
+    steps = speculative_steps(target, prompt_ids, Decoding(**options))
     try:
         while True:
             yield advance(steps, None, inline=True)
@@ -186,39 +188,46 @@ def speculative_generate(
         steps.close()
 
 
-def speculative_steps(
-    target: Runner,
-    prompt_ids: Sequence[int],
-    *,
-    params: SamplingParams,
-    generator: torch.Generator,
-    max_new_tokens: int,
-    drafter: Drafter | None = None,
-    schedule: Schedule | None = None,
-    rule: RelaxedRule | None = None,
-    max_divergence: float | None = None,
-    eos_token_ids: Sequence[int] = (),
-    stop_check: StopCheck | None = None,
-    max_context: int | None = None,
-    constraint: TokenConstraint | None = None,
-    prefixes: Prefixes | None = None,
-) -> DecodeSteps:
-    """Generate up to ``max_new_tokens`` after ``prompt_ids``: per step, a forward request,
-    then (after the logits are sent) the step's event.
+@dataclass(frozen=True)
+class Decoding:
+    """How one call decodes (``speculative_steps``): its sampling, budget and ends, its drafts,
+    its acceptance rule, its grammar, and where its prefixes are kept."""
 
-    ``rule=None`` is lossless. With a rule, ``max_divergence`` bounds the running mean divergence:
-    once it is exceeded, the rest of the call is verified losslessly. A ``constraint`` (a
-    grammar over the output) masks the draft's and the target's distributions at every position,
-    so exactness holds with respect to the constrained target. ``prefixes`` reuses the KV of
-    prefixes seen by earlier calls, and keeps this call's (prompt and output) when it finishes.
-    """
+    params: SamplingParams
+    generator: torch.Generator
+    """The call's own random stream (sampling, and the acceptance tests)."""
+    max_new_tokens: int
+    drafter: Drafter | None = None
+    schedule: Schedule | None = None
+    """How many tokens the drafter is asked for each step (None: no drafts)."""
+    rule: RelaxedRule | None = None
+    """None: lossless."""
+    max_divergence: float | None = None
+    """With a ``rule``: once the running mean divergence exceeds it, the rest of the call is
+    verified losslessly."""
+    eos_token_ids: Sequence[int] = ()
+    stop_check: StopCheck | None = None
+    max_context: int | None = None
+    constraint: TokenConstraint | None = None
+    """A grammar over the output: it masks the draft's and the target's distributions at
+    every position, so exactness holds with respect to the constrained target."""
+    prefixes: Prefixes | None = None
+    """Where the KV of prefixes seen by earlier calls is reused from, and this call's (prompt
+    and output) kept when it finishes."""
+
+
+def speculative_steps(target: Runner, prompt_ids: Sequence[int], how: Decoding) -> DecodeSteps:
+    """Generate up to ``how.max_new_tokens`` after ``prompt_ids``: per step, a forward request,
+    then (after the logits are sent) the step's event."""
+    params, generator, max_new_tokens = how.params, how.generator, how.max_new_tokens
+    drafter, rule, constraint, prefixes = how.drafter, how.rule, how.constraint, how.prefixes
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    schedule = schedule or FixedSchedule(0)
-    limit = max_context if max_context is not None else math.inf
-    eos = set(eos_token_ids)
+    schedule = how.schedule or FixedSchedule(0)
+    limit = how.max_context if how.max_context is not None else math.inf
+    eos = set(how.eos_token_ids)
     counters = DecodeCounters()
     context = list(prompt_ids)
     output: list[int] = []
@@ -271,11 +280,12 @@ def speculative_steps(
             if drafter is not None:
                 drafter.observe(proposed, accepted)
             new = [*step.tokens[: verdict.num_accepted], verdict.next_token]
-        if rule is not None and max_divergence is not None and counters.divergence > max_divergence:
+        bound = how.max_divergence
+        if rule is not None and bound is not None and counters.divergence > bound:
             rule = None
             counters.fell_back_to_lossless = True
 
-        new, finish = _emit(new, output, context, eos, max_new_tokens, constraint, stop_check)
+        new, finish = _emit(new, output, context, eos, max_new_tokens, constraint, how.stop_check)
         if finish is None and (len(output) >= max_new_tokens or len(context) >= limit):
             finish = "length"
         if finish is not None:

@@ -16,7 +16,7 @@ from ..decoding.costs import CostModel
 from ..decoding.drafters.base import DrafterBlock
 from ..decoding.drafters.predicted import PredictedDrafter
 from ..decoding.engine import Runner
-from ..decoding.loop import DecodeEvent, DecodeSteps, speculative_steps
+from ..decoding.loop import DecodeEvent, DecodeSteps, Decoding, speculative_steps
 from ..decoding.registry import DRAFTERS, DraftingParts
 from ..decoding.sampling import make_generator
 from ..decoding.schedule import FixedSchedule
@@ -241,9 +241,7 @@ class Decoder:
             schedule = FixedSchedule(block.num_speculative_tokens)
         acceptance = policy.acceptance
         stops: Any = StopStrings(plan.stop, self.decode_text) if plan.stop else None
-        steps = speculative_steps(
-            target,
-            plan.prompt_ids,
+        how = Decoding(
             params=plan.params,
             generator=make_generator(plan.seed, device),
             max_new_tokens=plan.max_new_tokens,
@@ -257,6 +255,7 @@ class Decoder:
             constraint=plan.grammar,
             prefixes=prefixes,
         )
+        steps = speculative_steps(target, plan.prompt_ids, how)
         if key is None or history is None:
             return steps
         return _recorded(steps, history, key, plan.prompt_ids)

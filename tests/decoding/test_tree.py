@@ -319,7 +319,7 @@ def test_every_forward_of_a_tree_step_is_yielded(target) -> None:
     as every other: a worker batches what is yielded, and a forward run inside the coroutine
     would run outside its round."""
     from specagent.decoding.engine import ForwardRequest
-    from specagent.decoding.loop import speculative_steps
+    from specagent.decoding.loop import Decoding, speculative_steps
 
     prompt = [5, 6, 7, 8, 9, 10, 11]
     first, second = SuffixIndex(), SuffixIndex()
@@ -337,15 +337,14 @@ def test_every_forward_of_a_tree_step_is_yielded(target) -> None:
         return forward(*args, **kwargs)  # type: ignore[arg-type]
 
     runner.forward = counted  # type: ignore[method-assign]
-    steps = speculative_steps(
-        runner,
-        prompt,
+    how = Decoding(
         params=SamplingParams(temperature=0.0),
         generator=make_generator(0),
         max_new_tokens=4,
         drafter=drafter,
         schedule=FixedSchedule(4),
     )
+    steps = speculative_steps(runner, prompt, how)
     yielded: list[int] = []
     reply = None
     trees = 0
