@@ -263,13 +263,7 @@ class ForwardRequest:
     """The call's own ids beyond a draft runner's ``head_rows`` (``vocab.CallVocabulary``)."""
 
     def run(self) -> torch.Tensor:
-        # Only what is set is passed: a wrapped runner's ``forward`` may take just the first three.
-        extra: dict[str, Any] = {}
-        if self.tree is not None:
-            extra["tree"] = self.tree
-        if self.vocab is not None:
-            extra["vocab"] = self.vocab
-        return self.runner.forward(self.tokens, self.cache, self.keep, **extra)
+        return self.runner.forward(self.tokens, self.cache, self.keep, self.tree, self.vocab)
 
 
 def advance(

@@ -94,7 +94,7 @@ class NoCacheRunner(ModelRunner):
         return _ListCache()
 
     @torch.inference_mode()
-    def forward(self, input_ids, cache, keep=None):  # type: ignore[override]
+    def forward(self, input_ids, cache, keep=None, tree=None, vocab=None):  # type: ignore[override]
         cache.tokens.extend(input_ids)
         logits = self.model(input_ids=torch.tensor([cache.tokens])).logits[0, -len(input_ids) :]
         if keep is not None:

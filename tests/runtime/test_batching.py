@@ -160,9 +160,9 @@ def _spy_caches(rt: SpecRuntime) -> tuple[list[int], list[weakref.ref]]:
     for runner in runners:
         real_forward, real_batch = runner.forward, runner.forward_batch
 
-        def forward(input_ids, cache, keep=None, _real=real_forward):
+        def forward(input_ids, cache, keep=None, tree=None, vocab=None, _real=real_forward):
             note(cache)
-            return _real(input_ids, cache, keep)
+            return _real(input_ids, cache, keep, tree, vocab)
 
         def forward_batch(requests, keep=None, _real=real_batch):
             for _, cache in requests:
@@ -245,10 +245,10 @@ async def test_an_error_in_a_batched_forward_is_retried_call_by_call(runtime) ->
             raise RuntimeError("batched forward failed (simulated)")
         return real_batch(requests, keep)
 
-    def forward(input_ids, cache, keep=None):
+    def forward(input_ids, cache, keep=None, tree=None, vocab=None):
         if any(cache is p for p in poisoned):
             raise RuntimeError("this call's forward fails (simulated)")
-        return real_forward(input_ids, cache, keep)
+        return real_forward(input_ids, cache, keep, tree, vocab)
 
     runner.forward, runner.forward_batch = forward, forward_batch  # type: ignore[method-assign]
     outcomes: list[object] = [None] * len(calls)
