@@ -32,6 +32,7 @@ between drafting rules; the bench's timed ratios are what the project reports.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -145,7 +146,6 @@ class PositionCache:
 
     def __init__(self) -> None:
         self.length = 0
-        self.layers: list[Any] = []  # no KV to move when a token tree keeps its path
 
     def get_seq_length(self) -> int:
         return self.length
@@ -170,12 +170,19 @@ class OracleTarget:
     def new_cache(self) -> PositionCache:
         return PositionCache()
 
+    def kept(self, cache: PositionCache, copied: bool) -> PositionCache:
+        return copy.deepcopy(cache) if copied else cache
+
+    def keep_path(self, cache: PositionCache, start: int, path: list[int]) -> None:
+        cache.length = start + 1 + len(path)  # no KV to move: the accepted path's positions
+
     def forward(
         self,
         input_ids: list[int],
         cache: PositionCache,
         keep: int | None = None,
         tree: list[int] | None = None,
+        vocab: torch.Tensor | None = None,
     ) -> Any:
         start = cache.length
         cache.length += len(input_ids)
@@ -237,12 +244,12 @@ def replay_specagent(
     if draft is not None:
         real_forward = draft.forward
 
-        def counted(input_ids: list[int], cache: Any, keep: int | None = None, **extra: Any) -> Any:
+        def counted(input_ids: list[int], cache: Any, *rest: Any, **extra: Any) -> Any:
             # A call's first draft forward feeds the prompt not yet cached with its first
             # guesses; that part is a prefill, left out as the target's are.
             prefill = max(0, prompt_length - 1 - cache.get_seq_length())
             draft_widths.append(len(input_ids) - prefill)
-            return real_forward(input_ids, cache, keep, **extra)
+            return real_forward(input_ids, cache, *rest, **extra)
 
         draft.forward = counted  # type: ignore[method-assign]
     kind = DRAFTERS[policy.drafter.kind]

@@ -22,9 +22,9 @@ def fed_rows(runner: ModelRunner) -> list[int]:
     rows: list[int] = []
     forward = runner.forward
 
-    def counted(input_ids: list[int], cache: Any, keep: Any = None, **extra: Any) -> Any:
+    def counted(input_ids: list[int], cache: Any, *rest: Any, **extra: Any) -> Any:
         rows.append(len(input_ids))
-        return forward(input_ids, cache, keep, **extra)
+        return forward(input_ids, cache, *rest, **extra)
 
     runner.forward = counted  # type: ignore[method-assign]
     return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers import DynamicCache
 
+from specagent.decoding.engine import CopiedSequences
 from specagent.runtime.memory import HistoryStore, PrefixCache
 from specagent.tenants import HistoryScope, Tenant, tenant_of
 
@@ -35,15 +36,16 @@ def test_a_flood_over_many_sub_tenants_leaves_another_principals_history() -> No
 
 def test_a_flood_over_many_sub_tenants_leaves_another_principals_prefixes() -> None:
     cache = PrefixCache(max_tokens=32768, max_subtenants=64)
+    runner = CopiedSequences()  # what the cache asks of a runner: how its sequences are kept
     victim = cache.scoped(Tenant("other-key"))
-    victim.store("runner", _text(1, 8000), DynamicCache())
+    victim.store(runner, _text(1, 8000), DynamicCache())
     for user in range(300):
         cache.scoped(Tenant("flooder", f"user-{user}")).store(
-            "runner", _text(100 + user, 600), DynamicCache()
+            runner, _text(100 + user, 600), DynamicCache()
         )
     assert cache.held("other-key") == 8000
     assert cache.held("flooder") <= cache.max_tokens - 8000
-    found, length = victim.lookup("runner", _text(1, 8000))
+    found, length = victim.lookup(runner, _text(1, 8000))
     assert found is not None
     assert length == 8000
 
