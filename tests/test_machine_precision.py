@@ -333,3 +333,24 @@ def test_cli_models_info_says_whether_steps_run_compiled(
     assert "(measured earlier on this machine)" in capsys.readouterr().out.split("target steps")[1]
     assert main(["models", "info", target, "--compile-steps", "off"]) == 0
     assert "target steps" not in capsys.readouterr().out
+
+
+def test_where_measurements_are_kept_is_the_callers_choice(
+    tokenizer, tmp_path: Path, monkeypatch
+) -> None:
+    """``from_pretrained`` keeps them in this machine's store by default; ``probe_store=None``
+    keeps them nowhere (measured in the process); models passed in keep none by default."""
+    monkeypatch.setenv("SPECAGENT_CACHE", str(tmp_path / "cache"))
+    make_model(len(tokenizer)).save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    source = str(tmp_path / "target")
+    kept = SpecRuntime.from_pretrained(source, device="cpu", dtype="float32")
+    assert isinstance(kept.probe_store, ProbeStore)
+    assert kept.with_policies([]).probe_store is kept.probe_store
+    nowhere = SpecRuntime.from_pretrained(
+        source, device="cpu", dtype="float32", options=RuntimeOptions(probe_store=None)
+    )
+    assert nowhere.probe_store is None
+    assert SpecRuntime(kept.target, tokenizer=tokenizer, device="cpu").probe_store is None
+    for runtime in (kept, nowhere):
+        runtime.close()

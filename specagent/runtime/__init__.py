@@ -113,7 +113,8 @@ class SpecRuntime(Backend):
         """Where every call's row goes (``specagent.audit``; None: no audit)."""
         self.precision: dict[str, Any] = {}
         """The dtype each model runs in and why (empty for models passed in: theirs)."""
-        self.probe_store = options.probe_store
+        store = options.probe_store
+        self.probe_store = store if store != "machine" else None
         self._calls = CallPath(
             admission=Admission(
                 self.policies, tokenizer, self.vocab_size, self.context_window, (*eos,), drafters
@@ -135,7 +136,7 @@ class SpecRuntime(Backend):
             self._draft,
             eos_token_ids=eos,
             prefixes=self.prefix_cache,
-            store=options.probe_store,
+            store=self.probe_store,
             longest=max(block.num_speculative_tokens for block in drafters.values()) + 1,
             decode_text=self._decode_text,
             history=HistoryStore(options.history_tokens) if options.history_tokens else None,
@@ -175,7 +176,7 @@ class SpecRuntime(Backend):
         (``"auto"`` also times it with int8 weights, ``engines.transformers.quantized``;
         ``"int8"`` asks for those). What was chosen and why is in
         ``runtime.precision``. Measurements (dtype, step costs, kernels) are kept per machine
-        in the cache directory (``options.probe_store``, unless given).
+        in the cache directory (``RuntimeOptions.probe_store``).
 
         ``engine`` picks what runs the forwards: ``"auto"`` takes llama.cpp for a GGUF model (a
         ``.gguf`` path or a catalog name) on a CPU when llama-cpp-python is installed
@@ -189,7 +190,7 @@ class SpecRuntime(Backend):
             target, draft, device, dtype, draft_dtype, trust_remote_code, engine, engine_options
         )
         options = options or RuntimeOptions()
-        if options.probe_store is None:
+        if options.probe_store == "machine":
             options = dataclasses.replace(options, probe_store=loaded.store)
         runtime = cls(
             target=loaded.target,

@@ -4,7 +4,7 @@ engine's own options go to the engine: ``engine_options``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..machine import ProbeStore
 
@@ -33,9 +33,11 @@ class RuntimeOptions:
     """The OpenTelemetry tracer provider of the calls' spans (None: the global one)."""
     meter_provider: Any | None = None
     """The OpenTelemetry meter provider of the runtime's metrics (None: the global one)."""
-    probe_store: ProbeStore | None = None
-    """Where step costs and kernel choices measured on this machine are kept across runs
-    (``from_pretrained``: the cache directory; None: measured once per runtime)."""
+    probe_store: ProbeStore | Literal["machine"] | None = "machine"
+    """Where step costs and kernel choices measured on this machine are kept across runs:
+    ``"machine"`` (the default) this machine's store in the cache directory when
+    ``from_pretrained`` loads the models, and none for models passed in; a store of your own;
+    None: measured in this process, kept nowhere."""
 
     def __post_init__(self) -> None:
         if self.max_active < 1 or self.max_queue < 0:
