@@ -66,6 +66,7 @@ def test_a_served_call_is_decided_once(live: Live, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # LangChain's async API is asyncio's
 async def test_an_sdk_call_and_a_langchain_call_are_decided_once(
     live: Live, monkeypatch: pytest.MonkeyPatch
 ) -> None:
