@@ -39,7 +39,6 @@ from ..telemetry import Telemetry
 from ._admission import (
     Admission,
     PoliciesArg,
-    check_policies_fit,
     coerce_policies,
     drafter_blocks,
     eos_token_ids,
@@ -105,8 +104,7 @@ class SpecRuntime(Backend):
         self.engine_choice: dict[str, Any] = {"engine": self.engine, "reason": "model passed in"}
         """The engine and why it was chosen, and on llama.cpp the fast paths each model runs
         with and why (``engines.describe`` words it)."""
-        drafters = drafter_blocks(self.policies, has_draft)
-        check_policies_fit(self.policies, drafters, has_draft, self._target)
+        drafters = drafter_blocks(self.policies, has_draft, self._target)
         self._drafters = drafters
         """The drafter block each policy runs here, by name (decided once, here)."""
         self.audit = audit_store(audit)

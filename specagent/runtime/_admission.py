@@ -29,7 +29,6 @@ __all__ = [
     "Admission",
     "CallPlan",
     "PoliciesArg",
-    "check_policies_fit",
     "coerce_policies",
     "drafter_blocks",
     "drafter_for",
@@ -194,29 +193,22 @@ def history_key(
 
 def drafter_for(policy: Policy, has_draft_model: bool) -> DrafterBlock:
     """The drafter block a policy runs on a runtime (its fallback when there is no draft
-    model; without one, the policy's own block, which ``check_policies_fit`` refuses)."""
+    model; without one, the policy's own block, which ``drafter_blocks`` refuses)."""
     block = policy.drafter
     if DRAFTERS[block.kind].needs_draft_model and not has_draft_model:
         return block.fallback_block() or block
     return block
 
 
-def drafter_blocks(policies: PolicySet, has_draft_model: bool) -> dict[str, DrafterBlock]:
+def drafter_blocks(
+    policies: PolicySet, has_draft_model: bool, target: EngineModel
+) -> dict[str, DrafterBlock]:
     """The drafter block each policy runs on a runtime, by name (``drafter_for``), decided
-    once when the runtime is built: admission, the cost measurement and ``describe`` read it."""
-    return {policy.name: drafter_for(policy, has_draft_model) for policy in policies}
-
-
-def check_policies_fit(
-    policies: PolicySet,
-    drafters: Mapping[str, DrafterBlock],
-    has_draft_model: bool,
-    target: EngineModel,
-) -> None:
-    """Refuse, when the runtime is built, a policy its models cannot run (``drafters``: the
-    blocks they run here, ``drafter_blocks``)."""
+    once when the runtime is built (admission, the cost measurement and ``describe`` read
+    it); a policy its models cannot run is refused here (``PolicyError``)."""
+    blocks: dict[str, DrafterBlock] = {}
     for policy in policies:
-        block = drafters[policy.name]
+        block = blocks[policy.name] = drafter_for(policy, has_draft_model)
         kind, spec = block.kind, DRAFTERS[block.kind]
         if spec.needs_draft_model and not has_draft_model:
             msg = (
@@ -235,6 +227,7 @@ def check_policies_fit(
         problem = spec.check(block, target.num_layers)
         if problem is not None:
             raise PolicyError(f"policy {policy.name!r}: {problem}")
+    return blocks
 
 
 def eos_token_ids(model: EngineModel, tokenizer: Any | None) -> list[int]:
