@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import threading
+import time
 
 import anyio
 import pytest
@@ -27,7 +28,7 @@ from specagent.policy import Policy
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from specagent.engines.llama_cpp import LlamaCppModel, check_vocabulary  # noqa: E402
+from specagent.engines.llama_cpp import LlamaCppModel, check_vocabulary, compute_thread  # noqa: E402
 
 TEXTS = ["Hello world, hello", "def f(x):\n    return x", "The quick brown fox jumps"]
 
@@ -427,6 +428,22 @@ def test_every_forward_of_the_process_runs_on_one_thread(gguf_file, tokenizer, m
         first.close()
 
 
+def _equal_but_for_a_near_tie(
+    model: LlamaCppModel, prompt: list[int], first: list[int], second: list[int]
+) -> None:
+    """Two greedy outputs over one model are equal, or part where the target's top two
+    logits lie within 0.01 (ggml's sums depend on which other sequences share the KV pool,
+    and a random tiny model has such ties: 2.12839 against 2.12794 once in ~15 runs)."""
+    if first == second:
+        return
+    at = next(n for n, (a, b) in enumerate(zip(first, second, strict=True)) if a != b)
+    runner = model.runner()
+    logits = runner.forward(prompt + first[:at], runner.new_cache())[-1].float()
+    top = torch.topk(logits, 2)
+    assert {first[at], second[at]} == set(top.indices.tolist()), (at, top)
+    assert float(top.values[0] - top.values[1]) < 0.01, (at, top)
+
+
 def test_runtimes_sharing_the_llama_cpp_thread_take_turns_round_by_round(
     gguf_file, tokenizer, monkeypatch
 ) -> None:
@@ -463,14 +480,24 @@ def test_runtimes_sharing_the_llama_cpp_thread_take_turns_round_by_round(
             )
             for i, rt in enumerate((first, second))
         ]
+        # Both calls wait for the llama.cpp thread before either steps (held by a job of
+        # the test's own), so the turns do not depend on when each thread got going.
+        gate = threading.Event()
+        holder = threading.Thread(target=compute_thread.run, args=(gate.wait,))
+        holder.start()
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + 120
+        while compute_thread.waiting() < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        gate.set()
+        holder.join(timeout=60)
         for thread in threads:
             thread.join(timeout=300)
         assert len(results[0]) == len(results[1]) == 48
-        assert results[0] == results[1]
+        _equal_but_for_a_near_tie(model, ids, results[0], results[1])
         switches = sum(a != b for a, b in itertools.pairwise(order))
-        assert switches >= 20, order
+        assert switches >= 20, "".join(map(str, order))
     finally:
         second.close()
         first.close()

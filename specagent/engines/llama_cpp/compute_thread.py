@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-__all__ = ["run", "wanted"]
+__all__ = ["run", "waiting", "wanted"]
 
 T = TypeVar("T")
 
@@ -75,8 +75,13 @@ def run(fn: Callable[..., T], *args: object) -> T:
     return done.result()
 
 
+def waiting() -> int:
+    """How many jobs wait for the llama.cpp thread (not counting the one it runs)."""
+    jobs = _JOBS
+    return 0 if jobs is None else jobs.qsize()
+
+
 def wanted() -> bool:
     """Whether a job waits for the llama.cpp thread (a job running there hands it back
     between two rounds then)."""
-    jobs = _JOBS
-    return jobs is not None and not jobs.empty()
+    return waiting() > 0
