@@ -235,7 +235,7 @@ def test_forward_batch_equals_forward_with_kept_positions(model_class) -> None:
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
             assert ca.get_seq_length() == cb.get_seq_length()
             torch.testing.assert_close(ca.layers[0].keys, cb.layers[0].keys, atol=1e-5, rtol=1e-5)
-    assert runner._gather_checked is (model_class is LlamaForCausalLM)
+    assert runner.batched.gather_checked is (model_class is LlamaForCausalLM)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.05])

@@ -6,19 +6,24 @@ only the rows somebody reads go through the LM head."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from ...decoding.engine import Tokens, crop_to, to_device, token_rows
-from .compiled import serial_forwards
+from .compiled import CompiledSlots, serial_forwards
+from .head import Head
 from .slots import SlotBatch, SlotSequence
-from .state import RunnerState
-from .views import plain_layers
+from .tuned import KernelSet
+from .views import ModelView, PrefillTwin, plain_layers
 
-__all__ = ["ALONE_ROWS", "BatchedForwards", "batch_mask", "cache_for"]
+__all__ = ["ALONE_ROWS", "BatchedForwards", "OneForward", "batch_mask", "cache_for"]
+
+OneForward = Callable[[Tokens, Any, "int | None", "torch.Tensor | None"], torch.Tensor]
+"""One call's forward (``ModelRunner``'s): tokens, cache, keep, vocab -> finished logits."""
+
 
 ALONE_ROWS = 32
 """A forward over this many tokens (a first step that feeds a prompt) runs alone, not in a
@@ -26,8 +31,34 @@ batch: a batch pads every call's tokens to the widest, and a prompt's width woul
 work of the calls' few-token verifications."""
 
 
-class BatchedForwards(RunnerState):
-    """``ModelRunner``'s batched forwards (a part of it: ``state.RunnerState``)."""
+class BatchedForwards:
+    """``ModelRunner``'s forwards over several calls' sequences, and one call's over a slot
+    (its step function where calls hold slots). Made of the runner's parts: what it knows of
+    the model (``view``), the head its logits cover (``head``), its kernels (``kernels``),
+    its prefill twin and its one-call forward (``one``, which prompts run through alone);
+    ``compiled`` is set once, before the runner is handed out."""
+
+    def __init__(
+        self,
+        view: ModelView,
+        head: Head,
+        kernels: KernelSet,
+        twin: PrefillTwin | None,
+        one: OneForward,
+    ) -> None:
+        self.view = view
+        self.head = head
+        self.kernels = kernels
+        self.twin = twin
+        self.one = one
+        self.compiled: CompiledSlots | None = None
+        self.gather_checked: bool | None = None
+        """Whether projecting gathered hidden states equals the model's own logits (checked
+        once, on the first batch; None until then)."""
+
+    def planned(self) -> Any:
+        """The kernel plan these forwards run under (none where they run compiled)."""
+        return self.kernels.active(self.compiled is not None)
 
     @torch.inference_mode()
     def forward_batch(
@@ -58,7 +89,7 @@ class BatchedForwards(RunnerState):
         placed = [(tokens, cache_for(cache, len(tokens))) for tokens, cache in requests]
         try:
             with serial_forwards():
-                return self._forward_batch(placed, keeps, call_vocabs)
+                return self._batch(placed, keeps, call_vocabs)
         except BaseException:
             # All or nothing: a forward that ran before the failing one (a prompt run alone)
             # leaves no KV behind, so the caller may retry every request (the worker does, one
@@ -67,23 +98,23 @@ class BatchedForwards(RunnerState):
                 crop_to(cache, length)
             raise
 
-    def _forward_batch(
+    def _batch(
         self,
         requests: Sequence[tuple[Tokens, DynamicCache]],
         keeps: list[int | None],
         call_vocabs: list[torch.Tensor | None],
     ) -> list[torch.Tensor]:
-        twin = self.prefill_twin
+        twin = self.twin
         if len(requests) > 1:
             alone = min(ALONE_ROWS, twin.from_rows) if twin is not None else ALONE_ROWS
             long = [i for i, (tokens, _) in enumerate(requests) if len(tokens) >= alone]
             if long:  # prefills run alone (through the twin, if any); the rest as one batch
                 rest = [i for i in range(len(requests)) if i not in long]
                 out: dict[int, torch.Tensor] = {
-                    i: self._forward(*requests[i], keeps[i], call_vocabs[i]) for i in long
+                    i: self.one(*requests[i], keeps[i], call_vocabs[i]) for i in long
                 }
                 if rest:
-                    batched = self._forward_batch(
+                    batched = self._batch(
                         [requests[i] for i in rest],
                         [keeps[i] for i in rest],
                         [call_vocabs[i] for i in rest],
@@ -95,7 +126,7 @@ class BatchedForwards(RunnerState):
             others = [i for i in range(len(requests)) if i not in in_slots]
             out = {}
             for group in (in_slots, others):
-                results = self._forward_batch(
+                results = self._batch(
                     [requests[i] for i in group],
                     [keeps[i] for i in group],
                     [call_vocabs[i] for i in group],
@@ -103,16 +134,16 @@ class BatchedForwards(RunnerState):
                 out.update(zip(group, results, strict=True))
             return [out[i] for i in range(len(requests))]
         if in_slots:
-            return self._slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
+            return self.slot_forward(requests, keeps, call_vocabs)  # type: ignore[arg-type]
         if len(requests) == 1 or not all(plain_layers(cache) for _, cache in requests):
             return [
-                self._forward(tokens, cache, k, v)
+                self.one(tokens, cache, k, v)
                 for (tokens, cache), k, v in zip(requests, keeps, call_vocabs, strict=True)
             ]
         lengths = [int(cache.get_seq_length()) for _, cache in requests]
         counts = [len(tokens) for tokens, _ in requests]
         longest, widest, size = max(lengths), max(counts), len(requests)
-        batch_cache = self._dynamic_cache()  # a temporary copy
+        batch_cache = self.view.dynamic_cache()  # a temporary copy
         if longest > 0:
             template = next(c for (_, c), n in zip(requests, lengths, strict=True) if n)
             for layer in range(len(template.layers)):
@@ -142,16 +173,16 @@ class BatchedForwards(RunnerState):
             for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
         ]
         inputs = {
-            "input_ids": token_rows([t for t, _ in requests], widest, self.device),
-            "attention_mask": to_device(mask, self.device),
-            "position_ids": to_device(positions, self.device),
+            "input_ids": token_rows([t for t, _ in requests], widest, self.view.device),
+            "attention_mask": to_device(mask, self.view.device),
+            "position_ids": to_device(positions, self.view.device),
             "use_cache": True,
         }
-        with self._planned():
+        with self.planned():
             all_logits = self._gathered_logits(inputs, batch_cache, wanted, widest, call_vocabs)
         results = []
         for i, ((_, cache), count) in enumerate(zip(requests, counts, strict=True)):
-            results.append(self._finished(all_logits[i]))
+            results.append(self.view.finished(all_logits[i]))
             batch_layers: list[Any] = list(batch_cache.layers)
             for layer, batch_layer in enumerate(batch_layers):
                 new = slice(longest, longest + count)
@@ -162,7 +193,7 @@ class BatchedForwards(RunnerState):
                 )
         return results
 
-    def _slot_forward(
+    def slot_forward(
         self,
         requests: Sequence[tuple[Tokens, SlotSequence]],
         keeps: Sequence[int | None],
@@ -173,14 +204,14 @@ class BatchedForwards(RunnerState):
         attention over the slots in place (``slots.SlotBatch``; compiled where this runner's
         forwards run compiled and the rows are few, ``compiled.CompiledSlots``). Only the rows
         somebody reads are projected onto the vocabulary."""
-        assert self._pool is not None
         sequences = [cache for _, cache in requests]
+        pool = sequences[0].pool
         counts = [len(tokens) for tokens, _ in requests]
         widest = max(counts)
         compiled = self.compiled
-        with self._pool.lock:  # no reallocation by another thread under this forward
+        with pool.lock:  # no reallocation by another thread under this forward
             ran = None
-            if compiled is not None and self._gather_checked and compiled.fits(widest):
+            if compiled is not None and self.gather_checked and compiled.fits(widest):
                 ran = compiled.hidden(sequences, [t for t, _ in requests])
             if ran is not None:
                 hidden, width = ran
@@ -191,9 +222,9 @@ class BatchedForwards(RunnerState):
                 logits = self._projected(hidden, wanted, width, vocabs)
                 for sequence, count in zip(sequences, counts, strict=True):
                     sequence.length += count
-                return [self._finished(rows) for rows in logits]
-            batch = SlotBatch(self._pool, sequences, widest)
-            mask_dtype = self._mask_dtype()
+                return [self.view.finished(rows) for rows in logits]
+            batch = SlotBatch(pool, sequences, widest)
+            mask_dtype = self.view.mask_dtype
             mask = batch_mask(
                 batch.starts,
                 counts,
@@ -202,8 +233,8 @@ class BatchedForwards(RunnerState):
                 None if isinstance(mask_dtype, str) else mask_dtype,
             )
             inputs = {
-                "input_ids": token_rows([t for t, _ in requests], widest, self.device),
-                "attention_mask": to_device(mask, self.device),
+                "input_ids": token_rows([t for t, _ in requests], widest, self.view.device),
+                "attention_mask": to_device(mask, self.view.device),
                 "position_ids": batch.position_index,
                 "use_cache": True,
             }
@@ -211,11 +242,11 @@ class BatchedForwards(RunnerState):
                 (i, count - min(count, k if k is not None else count), count)
                 for i, (count, k) in enumerate(zip(counts, keeps, strict=True))
             ]
-            with self._planned():
+            with self.planned():
                 logits = self._gathered_logits(inputs, batch, wanted, widest, vocabs)
             for sequence, count in zip(sequences, counts, strict=True):
                 sequence.length += count
-        return [self._finished(rows) for rows in logits]
+        return [self.view.finished(rows) for rows in logits]
 
     def _gathered_logits(
         self,
@@ -230,33 +261,33 @@ class BatchedForwards(RunnerState):
         Runs the decoder body, gathers the wanted hidden states and projects only those. Models
         whose head is more than the output embedding (logit soft-capping, scaling) would give
         other numbers, so the first batch also runs the full model and compares; on any
-        difference this runner keeps using the full model's logits. With ``head_rows``, each
-        row's logits cover what its ``vocabs`` entry adds to the kept rows (``_restricted``)."""
-        base = self._body
-        if base is None or self._gather_checked is False:
-            out = self.model(**inputs, **{self._cache_kw: batch_cache})
+        difference this runner keeps using the full model's logits. With head rows, each row's
+        logits cover what its ``vocabs`` entry adds to the kept rows (``Head.restricted``)."""
+        view, base = self.view, self.view.body
+        if base is None or self.gather_checked is False:
+            out = view.model(**inputs, **{view.cache_kw: batch_cache})
             return [
-                self._masked(out.logits[row, start:stop], vocab)
+                self.head.masked(out.logits[row, start:stop], vocab)
                 for (row, start, stop), vocab in zip(wanted, vocabs, strict=True)
             ]
-        check = self._gather_checked is None
+        check = self.gather_checked is None
         reference_cache: Any = None
         if check:  # a slot batch writes the same keys at the same positions again: no copy
             slots = isinstance(batch_cache, SlotBatch)
             reference_cache = batch_cache if slots else copy.deepcopy(batch_cache)
-        hidden = base(**inputs, **{self._base_cache_kw: batch_cache}).last_hidden_state
+        hidden = base(**inputs, **{view.body_cache_kw: batch_cache}).last_hidden_state
         if not check:
             return self._projected(hidden, wanted, widest, vocabs)
-        head = self.model.get_output_embeddings()
+        head = view.model.get_output_embeddings()
         pieces = list(torch.split(head(_gathered(hidden, wanted, widest)), _counts(wanted)))
-        full = self.model(**inputs, **{self._cache_kw: reference_cache}).logits
-        self._gather_checked = all(
+        full = view.model(**inputs, **{view.cache_kw: reference_cache}).logits
+        self.gather_checked = all(
             torch.allclose(piece.float(), full[row, start:stop].float(), atol=1e-3, rtol=1e-3)
             for piece, (row, start, stop) in zip(pieces, wanted, strict=True)
         )
-        if not self._gather_checked:
+        if not self.gather_checked:
             pieces = [full[row, start:stop] for row, start, stop in wanted]
-        return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
+        return [self.head.masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
 
     def _projected(
         self,
@@ -267,14 +298,14 @@ class BatchedForwards(RunnerState):
     ) -> list[torch.Tensor]:
         """Logits of positions ``start:stop`` of each row ``(row, start, stop)`` of ``hidden``
         (``[rows, widest, hidden]``): only those positions go through the head."""
-        head = self.model.get_output_embeddings()
+        head = self.view.model.get_output_embeddings()
         gathered = _gathered(hidden, wanted, widest)
         counts = _counts(wanted)
-        if self.head_rows is not None:
-            flat = self._restricted(head, gathered, list(zip(counts, vocabs, strict=True)))
+        if self.head.rows is not None:
+            flat = self.head.restricted(head, gathered, list(zip(counts, vocabs, strict=True)))
             return list(torch.split(flat, counts))
         pieces = torch.split(head(gathered), counts)
-        return [self._masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
+        return [self.head.masked(piece, vocab) for piece, vocab in zip(pieces, vocabs, strict=True)]
 
 
 def _gathered(

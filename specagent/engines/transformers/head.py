@@ -27,10 +27,12 @@ from torch import nn
 
 from ...decoding.engine import to_device
 from .quantized import Int8Linear
+from .views import ModelView
 
 __all__ = [
     "HEAD_ROWS",
     "MIN_COVERAGE",
+    "Head",
     "head_rows_for",
     "project_rows",
     "restricted_logits",
@@ -122,3 +124,59 @@ def restricted_logits(
             ]
         start += count
     return out
+
+
+class Head:
+    """What a runner's logits cover: the whole vocabulary (``rows`` None), or a draft's head's
+    first ``rows`` rows, the ``always`` ids (end of sequence) and each request's own ids,
+    projected onto those alone, -inf elsewhere. Fixed when the runner is made."""
+
+    def __init__(self, rows: int | None = None, always: torch.Tensor | None = None) -> None:
+        self.rows = rows
+        self.always = always if always is not None else torch.tensor([], dtype=torch.long)
+
+    @classmethod
+    def checked(cls, view: ModelView, rows: int | None, always: Sequence[int] = ()) -> Head:
+        """``rows`` kept only for a head that is a plain ``nn.Linear`` or ``Int8Linear`` over
+        the decoder body's last hidden state (checked on a short forward against the model's
+        own logits) and has more rows than that; elsewhere the whole head. Only for a draft: a
+        target's logits define the output."""
+        model, body = view.model, view.body
+        head = model.get_output_embeddings()
+        if rows is None or body is None or not isinstance(head, nn.Linear | Int8Linear):
+            return cls()
+        vocab = int(head.weight.shape[0])
+        if not 0 < rows < vocab:
+            return cls()
+        ids = torch.arange(1, 9, device=view.device)[None] % vocab
+        with torch.inference_mode():
+            full = model(input_ids=ids, use_cache=False).logits[0].float()
+            hidden = body(input_ids=ids, use_cache=False).last_hidden_state[0]
+            projected = head(hidden).float()
+        if not torch.allclose(projected, full, atol=1e-3, rtol=1e-3):
+            return cls()
+        kept = sorted({int(i) for i in always if rows <= int(i) < vocab})
+        return cls(rows, torch.tensor(kept, dtype=torch.long))
+
+    def restricted(
+        self,
+        head: nn.Module,
+        hidden: torch.Tensor,
+        pieces: list[tuple[int, torch.Tensor | None]],
+    ) -> torch.Tensor:
+        """``restricted_logits`` over this head's rows (``rows`` set only)."""
+        assert self.rows is not None
+        return restricted_logits(head, hidden, self.rows, self.always, pieces)
+
+    def masked(self, logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        """Full logits cut to what ``restricted`` would cover (paths that run the whole head:
+        a compiled step, a model whose gathered projection differs); as they are without
+        ``rows``."""
+        if self.rows is None:
+            return logits
+        kept = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        kept[: self.rows] = True
+        kept[to_device(self.always, logits.device)] = True
+        if vocab is not None:
+            kept[to_device(vocab, logits.device)] = True
+        return logits.masked_fill(~kept, float("-inf"))

@@ -8,34 +8,35 @@ kernels per forward length (``kernels``), a draft's head rows (``head``), compil
 over the KV slots (``compiled``), a draft's prefill twin in another dtype
 (``precision``).
 
-``ModelRunner`` is made of parts split by concern, each its own module and a base class of
-the runner over the state they share (``state.RunnerState``): one call's forward (here),
-several calls' (``batched``), token trees (``trees``), the kernel plan and head rows
-(``tuned``); what it reads of the model apart from running it is in ``views``.
+``ModelRunner`` is composed of parts, each its own object over what it needs and nothing
+else: what it reads of the model once (``views.ModelView``), the head its logits cover
+(``head.Head``), its kernel set (``tuned.KernelSet``), its calls' caches
+(``sequences.Sequences``), and its step functions: one call's forward (here), several calls'
+and one call's over a slot (``batched.BatchedForwards``), token trees (``trees``).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from ...decoding.engine import Tokens, align_vocab, token_list, token_rows
-from .attention import choose_attention, is_sdpa
+from ...decoding.engine import Tokens, token_list, token_rows
+from .attention import choose_attention
 from .batched import ALONE_ROWS, BatchedForwards, cache_for
 from .compiled import CompiledSlots, serial_forwards
+from .head import Head
 from .kernels import LinearPlan, PackedWeights
 from .keys import model_key
-from .slots import SlotPool, SlotSequence, keep_cache_path, slot_shapes
-from .trees import TreeForwards
-from .tuned import PREFILL_LENGTHS, TunedForwards
+from .sequences import Sequences
+from .slots import SlotPool, SlotSequence
+from .trees import tree_forward
+from .tuned import PREFILL_LENGTHS, KernelSet
 from .views import (
+    ModelView,
     PrefillTwin,
-    _forward_params,
     cache_keyword,
     decoder_body,
     early_exit_view,
@@ -52,7 +53,7 @@ __all__ = [
 ]
 
 
-class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
+class ModelRunner:
     """Runs one causal LM forward over new tokens with its cache, returning float32 logits.
 
     ``forward`` runs one call's sequence, ``forward_batch`` several at once. ``logits_to_keep``
@@ -85,52 +86,68 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
         key/value heads in place where that measured faster for masked forwards)."""
         if prefill_twin is not None:
             choose_attention(prefill_twin.model)
-        self._dtype = next(model.parameters()).dtype
-        self._kernels = kernels or LinearPlan()
-        self._settled = kernels is not None
-        twin = [prefill_twin.model] if prefill_twin is not None else []
-        self._linears = tuple(
-            m for each in [model, *twin] for m in each.modules() if type(m) is nn.Linear
-        )
-        """The models' linear modules, which the kernel plan reroutes (``_planned``)."""
-        self._packed: PackedWeights | None = packed if self._kernels.packed_rows else None
-        params = _forward_params(type(model))  # type: ignore[arg-type]
-        self._cache_kw = cache_keyword(type(model))
-        self._has_logits_to_keep = "logits_to_keep" in params
-        head = model.get_output_embeddings()
-        own_vocab = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
-        self.vocab_size = vocab_size or own_vocab
+        self.view = ModelView.of(model, vocab_size)
+        self.vocab_size = self.view.vocab_size
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
-        self.device = next(model.parameters()).device
-        self._body = decoder_body(model)
-        body = self._body
-        self._base_cache_kw = cache_keyword(type(body)) if body is not None else "past_key_values"
-        self._gather_checked: bool | None = None
-        """Whether projecting gathered hidden states equals the model's own logits (checked
-        once, on the first batch; None until then)."""
-        self._compiled: CompiledSlots | None = None
-        self._head_rows: int | None = None
-        self._head_always = torch.tensor([], dtype=torch.long)
-        if head_rows is not None:
-            self._use_head_rows(head_rows, always)
-        shapes = slot_shapes(model.config) if slots else None
-        self._pool: SlotPool | None = None
-        if shapes is not None and self._body is not None:
-            layers, kv_heads, head_dim = shapes
-            self._pool = SlotPool(
-                layers,
-                kv_heads,
-                head_dim,
-                dtype=self._dtype,
-                device=self.device,
-                max_bytes=_slot_budget(self.device),
-            )
+        self.device = self.view.device
+        self.head = Head.checked(self.view, head_rows, always)
+        twin = [prefill_twin.model] if prefill_twin is not None else []
+        self.kernel_set = KernelSet([model, *twin], self.device, kernels, packed)
+        self.sequences = Sequences(self.view, slots)
+        self.batched = BatchedForwards(
+            self.view, self.head, self.kernel_set, prefill_twin, self._planned_forward
+        )
+
+    # ------------------------------------------------------------ what it settled
 
     @property
     def compiled(self) -> CompiledSlots | None:
         """The compiled few-token forwards over this runner's KV slots, where they measured
         faster (``compiled.choose_compiled_step``); None: eager forwards."""
-        return self._compiled
+        return self.batched.compiled
+
+    def _use_compiled(self, compiled: CompiledSlots | None) -> None:
+        """The compiled-forwards decision (``compiled.choose_compiled_step``), made before the
+        runner is handed out (``tuning.build_runner``)."""
+        self.batched.compiled = compiled
+        if self.slots is not None:  # a pool shrunk back would compile every bucket again
+            self.slots.shrinks = compiled is None
+
+    @property
+    def kernels(self) -> LinearPlan:
+        """Which linear-layer kernels this runner's forwards use (``kernels.LinearPlan``; empty:
+        torch's own), for the runner's own forwards only (``LinearPlan.active``)."""
+        return self.kernel_set.plan
+
+    @property
+    def packed(self) -> PackedWeights | None:
+        """The model's weights packed for oneDNN, where the plan's ``packed_rows`` read them
+        (``kernels.PackedWeights``; None: not packed)."""
+        return self.kernel_set.packed
+
+    @property
+    def settled(self) -> bool:
+        """Whether the linear kernels are chosen (by ``tune`` or ``restore``) and fixed."""
+        return self.kernel_set.settled
+
+    @property
+    def head_rows(self) -> int | None:
+        """A draft's logits cover only its head's first ``head_rows`` rows, the always-kept ids
+        and each request's own ids (``vocab``), projected onto those alone; -inf elsewhere
+        (``head``). None: the whole vocabulary."""
+        return self.head.rows
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether ``forward`` can run a token tree: the model's attention takes a custom
+        mask (eager or sdpa)."""
+        return self.view.mask_dtype != "other"
+
+    @property
+    def slots(self) -> SlotPool | None:
+        """The pool of KV slots this runner's calls hold (``slots``), None: each call has an
+        ordinary transformers cache."""
+        return self.sequences.pool
 
     @property
     def weight_bytes(self) -> int:
@@ -149,93 +166,87 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
             own.append(f"head-rows-{self.head_rows}")
         return model_key(self.model, *parts, *own)
 
-    def _use_compiled(self, compiled: CompiledSlots | None) -> None:
-        """The compiled-forwards decision (``compiled.choose_compiled_step``), made before the
-        runner is handed out (``tuning.build_runner``)."""
-        self._compiled = compiled
-        if self._pool is not None:  # a pool shrunk back would compile every bucket again
-            self._pool.shrinks = compiled is None
+    def tune(
+        self,
+        lengths: Sequence[int],
+        *,
+        context_tokens: int = 32,
+        repeats: int = 2,
+        prefill_lengths: Sequence[int] | None = None,
+    ) -> Generator[None, None, dict[int, float]]:
+        """Time forwards over each of ``lengths`` rows; the first time, choose the linear
+        kernels on the way and keep them (``tuned.KernelSet.tune``)."""
+        return (
+            yield from self.kernel_set.tune(
+                self,
+                lengths,
+                compiled=self.compiled is not None,
+                context_tokens=context_tokens,
+                repeats=repeats,
+                prefill_lengths=prefill_lengths,
+            )
+        )
 
     @property
-    def takes_trees(self) -> bool:
-        """Whether ``forward`` can run a token tree: the model's attention takes a custom
-        mask (eager or sdpa)."""
-        return self._mask_dtype() != "other"
+    def settings(self) -> dict[str, Any]:
+        """The settled kernel plan: its transposed and packed row counts."""
+        return self.kernel_set.settings
 
-    def _mask_dtype(self) -> torch.dtype | str | None:
-        """What a custom attention mask is for this model's attention: additive in the
-        model's dtype (eager), boolean (sdpa: None), or "other" (no custom mask)."""
-        implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
-        if implementation == "eager":
-            return self._dtype
-        return None if is_sdpa(implementation) else "other"
-
-    @property
-    def slots(self) -> SlotPool | None:
-        """The pool of KV slots this runner's calls hold (``slots``), None: each call has an
-        ordinary transformers cache."""
-        return self._pool
+    def restore(self, settings: Mapping[str, Any]) -> bool:
+        """Take a kernel plan an earlier process settled (``tuned.KernelSet.restore``)."""
+        return self.kernel_set.restore(settings)
 
     def compiler(self, backend: Any = "inductor") -> CompiledSlots:
         """Compiled forwards over this runner's KV slots (each shape compiled at its first
         use); only for a runner with slots."""
-        if self._pool is None or self._body is None:
+        body = self.view.body
+        if self.slots is None or body is None:
             raise ValueError("compiled forwards run over KV slots; this runner has none")
-        mask_dtype = self._mask_dtype()
+        mask_dtype = self.view.mask_dtype
         if isinstance(mask_dtype, str):
             raise ValueError("compiled forwards need an attention that takes a custom mask")
         return CompiledSlots(
-            self._body,
-            self._pool,
-            cache_kw=self._base_cache_kw,
+            body,
+            self.slots,
+            cache_kw=self.view.body_cache_kw,
             mask_dtype=mask_dtype,
             backend=backend,
         )
 
+    # ------------------------------------------------------------------ sequences
+
     def new_cache(self) -> DynamicCache:
         """An empty cache: a slot of this runner's pool where it has one and a slot is free,
         else an ordinary cache."""
-        if self._pool is not None:
-            sequence = self._pool.acquire()
-            if sequence is not None:
-                return sequence  # type: ignore[return-value]
-        return self._dynamic_cache()
+        return self.sequences.new()
 
     def reproducible(self, tokens: int) -> ModelRunner:
         """Itself: a call's KV (a slot, or a cache of its own) never shares memory with
         another call's, and a reproducible call's forwards run alone (``decoding.engine``)."""
         return self
 
-    def _dynamic_cache(self) -> DynamicCache:
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:  # older transformers: no config argument
-            return DynamicCache()
-
     def adopt(self, cache: DynamicCache) -> DynamicCache:
-        """``cache`` (a kept prefix's private copy) as the kind of cache this runner's calls
-        use: copied into a slot where this runner's calls hold slots."""
-        if self._pool is None or not self._pool.can_hold(int(cache.get_seq_length())):
-            return cache
-        sequence = self._pool.acquire()
-        if sequence is None:
-            return cache
-        self._pool.fill(sequence, cache)
-        return sequence  # type: ignore[return-value]
+        """``cache`` as the kind of cache this runner's calls use (``Sequences.adopt``)."""
+        return self.sequences.adopt(cache)
 
     def kept(self, cache: DynamicCache, copied: bool) -> DynamicCache:
-        """A slot's prefix is kept as an ordinary cache of its length (the pool's buffers stay
-        the pool's), copied or not; an ordinary cache as a copy, or itself."""
-        if isinstance(cache, SlotSequence):
-            return cache.kept_copy()
-        return copy.deepcopy(cache) if copied else cache
+        """What the prefix cache keeps of ``cache`` (``Sequences.kept``)."""
+        return self.sequences.kept(cache, copied)
 
     def keep_path(self, cache: DynamicCache, start: int, path: list[int]) -> None:
-        """A token tree's accepted path kept: in the slot, or by moving the cache's rows."""
-        if isinstance(cache, SlotSequence):
-            cache.keep_path(start, path)
-        else:
-            keep_cache_path(cache, start, path)
+        """A token tree's accepted path kept (``Sequences.keep_path``)."""
+        self.sequences.keep_path(cache, start, path)
+
+    # ------------------------------------------------------------------- forwards
+
+    def forward_batch(
+        self,
+        requests: Sequence[tuple[Tokens, DynamicCache]],
+        keep: Sequence[int | None] | None = None,
+        vocabs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Several calls' forwards in one model call (``batched.BatchedForwards``)."""
+        return self.batched.forward_batch(requests, keep, vocabs)
 
     @torch.inference_mode()
     def forward(
@@ -254,10 +265,17 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
         (``tree.py``; all rows' logits are returned). ``vocab``: the call's own ids beyond
         ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
         cache = cache_for(cache, len(input_ids))
-        with serial_forwards(), self._planned():
+        with serial_forwards(), self.batched.planned():
             if tree is not None:
-                rows = token_list(input_ids)
-                return self._masked(self._tree_forward(rows, cache, tree), vocab)
+                logits = tree_forward(self.view, token_list(input_ids), cache, tree)
+                return self.head.masked(self.view.finished(logits), vocab)
+            return self._forward(input_ids, cache, keep, vocab)
+
+    def _planned_forward(
+        self, input_ids: Tokens, cache: DynamicCache, keep: int | None, vocab: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``_forward`` under the kernel plan: a prompt that runs alone in a batched round."""
+        with self.batched.planned():
             return self._forward(input_ids, cache, keep, vocab)
 
     def _forward(
@@ -271,7 +289,7 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
         if twin is not None and len(input_ids) >= twin.from_rows:
             return self._twin_forward(twin.model, input_ids, cache, keep, vocab)
         if isinstance(cache, SlotSequence):
-            return self._slot_forward([(input_ids, cache)], [keep], [vocab])[0]
+            return self.batched.slot_forward([(input_ids, cache)], [keep], [vocab])[0]
         return self._run(self.model, input_ids, cache, keep, vocab)
 
     def _run(
@@ -283,28 +301,24 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
         vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One forward of ``model`` over ``input_ids`` after ``cache``: the kept logits."""
+        view = self.view
         ids = token_rows([input_ids], len(input_ids), self.device)
-        body = self._body if model is self.model else decoder_body(model)
-        if self.head_rows is not None and body is not None:
-            kw = {self._base_cache_kw: cache, "use_cache": True}
+        body = view.body if model is self.model else decoder_body(model)
+        if self.head.rows is not None and body is not None:
+            kw = {view.body_cache_kw: cache, "use_cache": True}
             hidden = body(input_ids=ids, **kw).last_hidden_state[0]
             if keep is not None:
                 hidden = hidden[-keep:] if keep > 0 else hidden[:0]
             head = model.get_output_embeddings()
-            return self._finished(self._restricted(head, hidden, [(hidden.shape[0], vocab)]))
-        kwargs: dict[str, Any] = {self._cache_kw: cache, "use_cache": True}
-        if keep is not None and self._has_logits_to_keep:
+            restricted = self.head.restricted(head, hidden, [(hidden.shape[0], vocab)])
+            return view.finished(restricted)
+        kwargs: dict[str, Any] = {view.cache_kw: cache, "use_cache": True}
+        if keep is not None and view.keeps_logits:
             kwargs["logits_to_keep"] = keep
         logits = model(input_ids=ids, **kwargs).logits[0]
         if keep is not None:
             logits = logits[-keep:] if keep > 0 else logits[:0]
-        return self._finished(logits)
-
-    def _finished(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits as every caller gets them: the target's vocabulary, float32."""
-        if logits.shape[-1] != self.vocab_size:
-            logits = align_vocab(logits, self.vocab_size)
-        return logits.float()
+        return view.finished(logits)
 
     def _twin_forward(
         self,
@@ -333,21 +347,8 @@ class ModelRunner(TunedForwards, BatchedForwards, TreeForwards):
         for index, layer in enumerate(temp.layers):
             new: Any = layer
             cache.update(
-                new.keys[:, :, length:].to(self._dtype),
-                new.values[:, :, length:].to(self._dtype),
+                new.keys[:, :, length:].to(self.view.dtype),
+                new.values[:, :, length:].to(self.view.dtype),
                 index,
             )
         return logits
-
-
-def _slot_budget(device: torch.device) -> int | None:
-    """How much memory a runner's slot pool may grow to before new calls get ordinary caches:
-    a quarter of what the machine has available (CUDA: half of the free device memory), None
-    where that is not known."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free) // 2
-    from .kernels import available_memory
-
-    available = available_memory()
-    return available // 4 if available else None

@@ -1,7 +1,8 @@
 """What the transformers engine reads of a model, apart from running it: the keyword its
 forward takes its cache by (``cache=`` in new transformers releases, ``past_key_values=`` in
-older ones), its decoder body without the LM head, a view over its first layers (early exit),
-and a copy in another dtype for long forwards (``PrefillTwin``)."""
+older ones), its decoder body without the LM head, all of it read once (``ModelView``), a view
+over its first layers (early exit), and a copy in another dtype for long forwards
+(``PrefillTwin``)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,21 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-__all__ = ["PrefillTwin", "cache_keyword", "decoder_body", "early_exit_view", "plain_layers"]
+from ...decoding.engine import align_vocab
+from .attention import is_sdpa
+
+__all__ = [
+    "ModelView",
+    "PrefillTwin",
+    "cache_keyword",
+    "decoder_body",
+    "early_exit_view",
+    "plain_layers",
+]
 
 
 @functools.lru_cache(maxsize=64)
@@ -49,6 +61,65 @@ def decoder_body(model: PreTrainedModel) -> nn.Module | None:
     if not isinstance(base, nn.Module) or base is model or head is None:
         return None
     return base
+
+
+@dataclass(frozen=True)
+class ModelView:
+    """What every forward of a runner needs to know about its model, read once when the runner
+    is made: how to pass it a cache, whether it cuts its logits itself, its decoder body."""
+
+    model: PreTrainedModel
+    vocab_size: int
+    """Columns of the logits the runner returns (a draft's aligned to the target's)."""
+    device: torch.device
+    dtype: torch.dtype
+    body: nn.Module | None
+    """The model without its LM head (``decoder_body``), None where it has none."""
+    cache_kw: str
+    """The keyword the model's forward takes its cache by (``cache_keyword``)."""
+    body_cache_kw: str
+    """The keyword the decoder body's forward takes it by."""
+    keeps_logits: bool
+    """Whether the model's forward takes ``logits_to_keep``."""
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, vocab_size: int | None = None) -> ModelView:
+        head = model.get_output_embeddings()
+        own_vocab = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+        body = decoder_body(model)
+        first = next(model.parameters())
+        return cls(
+            model=model,
+            vocab_size=vocab_size or own_vocab,
+            device=first.device,
+            dtype=first.dtype,
+            body=body,
+            cache_kw=cache_keyword(type(model)),
+            body_cache_kw=cache_keyword(type(body)) if body is not None else "past_key_values",
+            keeps_logits="logits_to_keep" in _forward_params(type(model)),  # type: ignore[arg-type]
+        )
+
+    @property
+    def mask_dtype(self) -> torch.dtype | str | None:
+        """What a custom attention mask is for this model's attention: additive in the
+        model's dtype (eager), boolean (sdpa: None), or "other" (no custom mask)."""
+        implementation = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        if implementation == "eager":
+            return self.dtype
+        return None if is_sdpa(implementation) else "other"
+
+    def finished(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits as every caller gets them: the target's vocabulary, float32."""
+        if logits.shape[-1] != self.vocab_size:
+            logits = align_vocab(logits, self.vocab_size)
+        return logits.float()
+
+    def dynamic_cache(self) -> DynamicCache:
+        """An ordinary, empty transformers cache for this model."""
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers: no config argument
+            return DynamicCache()
 
 
 def plain_layers(cache: DynamicCache) -> bool:
