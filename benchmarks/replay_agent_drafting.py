@@ -49,6 +49,7 @@ from specagent import Policy, RuntimeOptions, SpecRuntime
 from specagent.catalog import PAIRS
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
+from specagent.decoding.engine import ForwardInputs
 from specagent.decoding.loop import DecodeCounters, speculative_generate
 from specagent.decoding.proposal import row_depths
 from specagent.decoding.registry import DRAFTERS
@@ -159,6 +160,8 @@ class OracleTarget:
     greedy verification against it accepts exactly what the real target would. Records the
     width of every decoding forward: the rows it verifies (a call's first forward also feeds
     the prompt before them, which is left out, as prefills are)."""
+
+    inputs = ForwardInputs(trees=True)
 
     def __init__(self, reference: list[int], vocab_size: int, eos: int) -> None:
         self.reference = reference

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from specagent.decoding.costs import SettlesNothing
-from specagent.decoding.engine import CopiedSequences, cropped_length
+from specagent.decoding.engine import CopiedSequences, ForwardInputs, cropped_length
 from specagent.engines import EngineModel, RunnerNeeds
 
 VOCAB = 12
@@ -45,8 +45,7 @@ def table_logits(context: Sequence[int], seed: int = 1000) -> torch.Tensor:
 
 
 class FakeRunner(SettlesNothing, CopiedSequences):
-    head_rows = None
-    takes_trees = False
+    inputs = ForwardInputs()
 
     def __init__(self, model: FakeModel, vocab_size: int | None = None) -> None:
         self.model = model

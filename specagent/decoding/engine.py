@@ -10,7 +10,7 @@ llama.cpp with its sequences) is the engine's own business, decided when it is l
   no engine's cache itself: ``Runner.kept`` (what the prefix cache keeps of a sequence: a deep
   copy, or the sequence itself when its call is done with it; ``CopiedSequences`` is that
   default) and ``Runner.keep_path`` (after a token-tree forward, keep the accepted path's
-  rows; only a runner that ``takes_trees`` does).
+  rows; only a runner whose ``inputs`` take trees does).
 - ``Runner``: forwards over new tokens after a sequence, one call's (``forward``) or several
   calls' in one engine call (``forward_batch``), returning float32 logits of the rows asked for
   (``keep``), over the target's vocabulary. The new tokens are ids on the host, or ids a
@@ -20,6 +20,9 @@ llama.cpp with its sequences) is the engine's own business, decided when it is l
   timing settles that choice there, once, and keeps it), ``settings`` says what it settled
   and ``restore`` takes back what an earlier process settled on this machine, keyed by
   ``speed_key``.
+- ``ForwardInputs``: what a runner's forward takes beyond tokens, a sequence and ``keep``,
+  declared once by the runner (``Runner.inputs``): token trees, and a vocabulary limited to its
+  head's leading rows plus each call's own ids. The core sends only what a runner declares.
 
 ``specagent.engines.transformers.ModelRunner`` is the transformers engine's runner (its caches
 are transformers ``Cache`` objects, which already behave as a ``KVSequence``);
@@ -37,6 +40,7 @@ import torch
 
 __all__ = [
     "CopiedSequences",
+    "ForwardInputs",
     "ForwardRequest",
     "KVSequence",
     "Runner",
@@ -87,6 +91,19 @@ class KVSequence(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ForwardInputs:
+    """The optional inputs a runner's ``forward`` takes, fixed when the runner is made."""
+
+    trees: bool = False
+    """``tree``: the new tokens form a token tree, each row's parent given (a custom attention
+    mask); the runner then also keeps an accepted path (``Runner.keep_path``)."""
+    head_rows: int | None = None
+    """``vocab``: the logits cover only the head's first ``head_rows`` rows and each call's own
+    ids (a draft's, ``decoding.vocab.CallVocabulary``); None: the whole vocabulary, and no
+    ``vocab`` is sent."""
+
+
 class Runner(Protocol):
     """Forwards of one model, as the decoding core asks for them."""
 
@@ -98,19 +115,13 @@ class Runner(Protocol):
     """Where the returned logits live."""
 
     @property
-    def head_rows(self) -> int | None:
-        """A draft's logits cover only its head's first rows and each call's own ids
-        (``decoding.vocab.CallVocabulary``); None: the whole vocabulary."""
+    def inputs(self) -> ForwardInputs:
+        """The optional inputs its ``forward`` takes (trees, a limited vocabulary)."""
         ...
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of weights one forward reads (the prior of what a step costs, ``costs``)."""
-        ...
-
-    @property
-    def takes_trees(self) -> bool:
-        """Whether ``forward`` runs a token tree (a custom attention mask)."""
         ...
 
     def speed_key(self, *parts: object) -> str:
@@ -161,7 +172,7 @@ class Runner(Protocol):
     def keep_path(self, cache: Any, start: int, path: list[int]) -> None:
         """After a token-tree forward that wrote its rows from position ``start`` (the root),
         keep the KV of the root and the accepted ``path`` (nodes), moved to follow one
-        another, and drop the rest (``takes_trees`` runners only)."""
+        another, and drop the rest (runners whose ``inputs`` take trees only)."""
         ...
 
     def forward(
@@ -173,7 +184,8 @@ class Runner(Protocol):
         vocab: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [n_kept, V] float32
         """Feed ``input_ids`` after ``cache``; logits ``[n_kept, V]`` (``keep``: the last rows
-        only, None: all). ``tree``: each row's parent row (``takes_trees`` runners only)."""
+        only, None: all). ``tree``: each row's parent row; ``vocab``: the call's own ids beyond
+        the head's rows (each only where ``inputs`` declares it)."""
         ...
 
     def forward_batch(
@@ -261,6 +273,15 @@ class ForwardRequest:
     forward runs alone, never batched with other calls'."""
     vocab: torch.Tensor | None = None
     """The call's own ids beyond a draft runner's ``head_rows`` (``vocab.CallVocabulary``)."""
+
+    def __post_init__(self) -> None:
+        inputs = self.runner.inputs
+        if self.tree is not None and not inputs.trees:
+            msg = f"{type(self.runner).__name__} takes no token trees (ForwardInputs.trees)"
+            raise ValueError(msg)
+        if self.vocab is not None and inputs.head_rows is None:
+            msg = f"{type(self.runner).__name__} takes no vocabulary (ForwardInputs.head_rows)"
+            raise ValueError(msg)
 
     def run(self) -> torch.Tensor:
         return self.runner.forward(self.tokens, self.cache, self.keep, self.tree, self.vocab)

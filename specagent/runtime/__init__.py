@@ -145,7 +145,7 @@ class SpecRuntime(Backend):
     def draft_head_rows(self) -> int | None:
         """The leading rows of the draft's LM head its logits are projected onto (None: all)."""
         runner = self._decoder.draft_runner
-        return runner.head_rows if runner is not None else None
+        return runner.inputs.head_rows if runner is not None else None
 
     @classmethod
     def from_pretrained(

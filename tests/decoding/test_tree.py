@@ -74,7 +74,7 @@ def test_a_tree_forward_equals_each_drafts_chain_and_keeps_the_accepted_path(
     model = make_model(50, layers=2, seed=1)
     model.config._attn_implementation = attention
     runner = ModelRunner(model)
-    assert runner.takes_trees
+    assert runner.inputs.trees
     context = [5, 6, 7, 8, 9, 10]
     cache = runner.new_cache()
     runner.forward(context[:-1], cache)

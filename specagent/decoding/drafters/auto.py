@@ -173,7 +173,7 @@ def build_auto(config: AutoConfig, parts: DraftingParts) -> tuple[Drafter | None
     if parts.draft is None:
         return AutoDrafter(history), FixedSchedule(config.num_speculative_tokens)
     model, schedule = build_draft_model(config, parts)
-    trees = config.tree and parts.target.takes_trees
+    trees = config.tree and parts.target.inputs.trees
     return (
         AutoDrafter(history, model, schedule, trees=trees),
         FixedSchedule(config.num_speculative_tokens),

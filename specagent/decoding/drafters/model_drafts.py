@@ -85,8 +85,9 @@ class DraftModelDrafter(StepwiseDrafter):
         self.cache = runner.new_cache()
         self._cached: list[int] = []
         self._prefixes = prefixes
-        self._vocab = CallVocabulary(runner.head_rows) if runner.head_rows is not None else None
-        """This call's own ids beyond the runner's ``head_rows`` (None: the whole head)."""
+        rows = runner.inputs.head_rows
+        self._vocab = CallVocabulary(rows) if rows is not None else None
+        """This call's own ids beyond the runner's head rows (None: the whole head)."""
 
     def propose_steps(
         self, ask: DraftRequest

@@ -226,7 +226,7 @@ def build_suffix(config: SuffixConfig, parts: DraftingParts) -> tuple[Drafter | 
 
 def history_drafter(config: HistoryFields, parts: DraftingParts) -> SuffixDrafter:
     own = config.history != "none"
-    trees = config.tree and parts.target.takes_trees
+    trees = config.tree and parts.target.inputs.trees
     return SuffixDrafter(
         parts.history, parts.costs(None), own_context=own, trees=trees, prediction=parts.prediction
     )

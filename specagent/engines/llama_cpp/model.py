@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ...decoding.costs import SettlesNothing
-from ...decoding.engine import CopiedSequences, Tokens, align_vocab, token_list
+from ...decoding.engine import CopiedSequences, ForwardInputs, Tokens, align_vocab, token_list
 from ...errors import GenerationError, ModelLoadError
 from ...machine import ProbeStore
 from ..base import Capabilities, EngineModel, RunnerNeeds
@@ -397,9 +397,9 @@ class LlamaCppRunner(SettlesNothing, CopiedSequences):
     sequence, returning float32 logits (``[n_kept, V]``, V the target's vocabulary). llama.cpp
     chooses its own kernels: nothing here is tuned after load, ``tune`` only times."""
 
-    head_rows = None
-    takes_trees = False
-    """Token trees need a custom attention mask, which llama.cpp's batch API does not take."""
+    inputs = ForwardInputs()
+    """No token trees (they need a custom attention mask, which llama.cpp's batch API does not
+    take) and the whole vocabulary."""
 
     def __init__(
         self, model: LlamaCppModel, vocab_size: int | None = None, private_tokens: int = 0

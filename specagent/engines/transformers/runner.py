@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from ...decoding.engine import Tokens, token_list, token_rows
+from ...decoding.engine import ForwardInputs, Tokens, token_list, token_rows
 from .attention import choose_attention
 from .batched import ALONE_ROWS, BatchedForwards, cache_for
 from .compiled import CompiledSlots, serial_forwards
@@ -91,6 +91,9 @@ class ModelRunner:
         """Size of the logits this runner returns (a draft's are aligned to the target's)."""
         self.device = self.view.device
         self.head = Head.checked(self.view, head_rows, always)
+        self.inputs = ForwardInputs(trees=self.view.mask_dtype != "other", head_rows=self.head.rows)
+        """Token trees where the model's attention takes a custom mask (eager or sdpa); a
+        limited vocabulary where the head's rows were kept (``head.Head``)."""
         twin = [prefill_twin.model] if prefill_twin is not None else []
         self.kernel_set = KernelSet([model, *twin], self.device, kernels, packed)
         self.sequences = Sequences(self.view, slots)
@@ -131,19 +134,6 @@ class ModelRunner:
         return self.kernel_set.settled
 
     @property
-    def head_rows(self) -> int | None:
-        """A draft's logits cover only its head's first ``head_rows`` rows, the always-kept ids
-        and each request's own ids (``vocab``), projected onto those alone; -inf elsewhere
-        (``head``). None: the whole vocabulary."""
-        return self.head.rows
-
-    @property
-    def takes_trees(self) -> bool:
-        """Whether ``forward`` can run a token tree: the model's attention takes a custom
-        mask (eager or sdpa)."""
-        return self.view.mask_dtype != "other"
-
-    @property
     def slots(self) -> SlotPool | None:
         """The pool of KV slots this runner's calls hold (``slots``), None: each call has an
         ordinary transformers cache."""
@@ -162,8 +152,8 @@ class ModelRunner:
             own.append("compiled")
         if self.prefill_twin is not None:
             own.append(f"twin-from-{self.prefill_twin.from_rows}")
-        if self.head_rows is not None:
-            own.append(f"head-rows-{self.head_rows}")
+        if self.head.rows is not None:
+            own.append(f"head-rows-{self.head.rows}")
         return model_key(self.model, *parts, *own)
 
     def tune(
@@ -263,7 +253,7 @@ class ModelRunner:
         rows form a token tree, each row's parent row given (-1: the root, which follows the
         cache); each row then sees the cache and its own ancestors, at its depth's position
         (``tree.py``; all rows' logits are returned). ``vocab``: the call's own ids beyond
-        ``head_rows`` (``vocab.CallVocabulary``; ignored without ``head_rows``)."""
+        the head's rows (``vocab.CallVocabulary``; ignored without them)."""
         cache = cache_for(cache, len(input_ids))
         with serial_forwards(), self.batched.planned():
             if tree is not None:

@@ -79,7 +79,7 @@ def test_a_model_on_grouped_heads_gives_sdpa_logits_in_every_forward(pair) -> No
     prompt = [(7 * i) % (VOCAB - 1) + 1 for i in range(60)]
     # One call over an ordinary cache: a prompt, then a verification of five tokens.
     for runner in pair:
-        assert runner.takes_trees
+        assert runner.inputs.trees
     caches = [runner.view.dynamic_cache() for runner in pair]
     for feed in (prompt, [3, 9, 27, 81, 50]):
         got, want = (r.forward(feed, c) for r, c in zip(pair, caches, strict=True))

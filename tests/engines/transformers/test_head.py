@@ -67,7 +67,7 @@ def test_call_vocabulary_grows_with_its_context_and_rescans_another() -> None:
 
 def _runner(model: nn.Module) -> ModelRunner:
     runner = ModelRunner(copy.deepcopy(model), head_rows=ROWS, always=[VOCAB - 1])
-    assert runner.head_rows == ROWS
+    assert runner.inputs.head_rows == ROWS
     return runner
 
 
@@ -98,8 +98,8 @@ def test_forwards_single_and_batched_cover_the_rows_and_each_calls_own_ids() -> 
 
 def test_head_rows_are_refused_where_they_cannot_hold() -> None:
     model = make_model(VOCAB, layers=1, seed=4)
-    assert ModelRunner(model, head_rows=VOCAB).head_rows is None  # not fewer than it has
-    assert ModelRunner(model, head_rows=0).head_rows is None
+    assert ModelRunner(model, head_rows=VOCAB).inputs.head_rows is None  # not fewer than it has
+    assert ModelRunner(model, head_rows=0).inputs.head_rows is None
 
     class Scaled(nn.Module):  # a head that is more than a projection (soft-capping, scaling)
         def __init__(self, inner: nn.Linear) -> None:
@@ -111,7 +111,7 @@ def test_head_rows_are_refused_where_they_cannot_hold() -> None:
 
     odd = copy.deepcopy(model)
     odd.lm_head = Scaled(odd.lm_head)  # type: ignore[assignment]
-    assert ModelRunner(odd, head_rows=ROWS).head_rows is None
+    assert ModelRunner(odd, head_rows=ROWS).inputs.head_rows is None
 
 
 def test_head_rows_for_reads_the_tokenizers_order(tokenizer) -> None:
@@ -190,7 +190,7 @@ def test_sampling_through_a_restricted_draft_head_matches_target(small_target, s
     must still follow its own distribution (the acceptance rule compares against the
     restricted q the draft sampled from)."""
     runner = ModelRunner(small_draft, head_rows=5, always=[9])
-    assert runner.head_rows == 5
+    assert runner.inputs.head_rows == 5
     params = SamplingParams(temperature=1.0)
     marginals = exact_marginals(small_target, params)
     counts = sample_counts(small_target, lambda: DraftModelDrafter(runner), params, 3)

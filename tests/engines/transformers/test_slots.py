@@ -283,7 +283,7 @@ def test_a_token_tree_over_a_slot_gives_the_logits_and_kept_path_of_an_ordinary_
     model,
 ) -> None:
     runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
-    assert runner.takes_trees
+    assert runner.inputs.trees
     prompt = list(range(3, 30))
     slot, ordinary = runner.new_cache(), plain.new_cache()
     runner.forward(prompt, slot, keep=1)
