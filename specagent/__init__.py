@@ -29,7 +29,7 @@ from .policy import (
     load_policy,
     shipped_policies,
 )
-from .results import GenerationResult, SpecStats, StreamChunk, Usage
+from .results import GenerationResult, Logprob, SpecStats, StreamChunk, Usage
 from .runtime import RuntimeOptions, SpecRuntime
 from .tenants import Tenant
 
@@ -44,6 +44,7 @@ __all__ = [
     "IncompleteOutputError",
     "InvalidRequestError",
     "KeyConfigError",
+    "Logprob",
     "ModelLoadError",
     "ModelNotFoundError",
     "Policy",

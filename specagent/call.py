@@ -39,6 +39,9 @@ class Call:
     stop: Sequence[str] | None = None
     """Stop sequences (a lone string is one); None: the policy's."""
     seed: int | None = None
+    logprobs: int | None = None
+    """Each emitted token's log-probability under the target, with this many most likely
+    alternatives (0: its own only; at most ``MAX_TOP_LOGPROBS``); None: none."""
     timeout: float | None = None
     """Seconds for the whole call, admission included."""
     tools: Sequence[Mapping[str, Any]] | None = None

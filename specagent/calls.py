@@ -31,7 +31,7 @@ from .errors import (
     RuntimeOverloadedError,
 )
 from .grammar import Constraint
-from .results import GenerationResult
+from .results import GenerationResult, Logprob
 from .tenants import Tenant
 
 __all__ = [
@@ -101,6 +101,7 @@ class CallSpec:
         top_k: int | None = None,
         max_tokens: int | None = None,
         seed: int | None = None,
+        logprobs: int | None = None,
         timeout: float | None = None,
         answer_guard: bool = True,
         describe_format: bool = True,
@@ -147,6 +148,7 @@ class CallSpec:
             top_k=top_k,
             stop=tuple(sorted(set(stops))) or None,
             seed=seed,
+            logprobs=logprobs,
             timeout=timeout,
             tools=offered,
             constraint=constraint,
@@ -301,6 +303,9 @@ class CallChunk:
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
     """On the last chunk: "tool_calls" when the output called tools, else the result's."""
+    logprobs: list[Logprob] | None = None
+    """The log-probabilities of the tokens this chunk's text (or, last, its content and
+    tool calls) came from, where the call asked for them."""
 
 
 async def run_call(
@@ -318,11 +323,15 @@ async def run_call(
     while True:
         started = shown = repeated = False
         held: list[str] = []
+        # Log-probabilities of tokens whose text is not shown yet (held back, or none).
+        pending: list[Logprob] | None = [] if spec.call.logprobs is not None else None
         holding = spec.forced_tool
         try:
             stream = backend.run(spec.call)
             async with contextlib.aclosing(stream):  # closing cancels
                 async for chunk in stream:
+                    if pending is not None and chunk.logprobs:
+                        pending.extend(chunk.logprobs)
                     if chunk.result is None:
                         if not chunk.text:
                             continue
@@ -333,7 +342,8 @@ async def run_call(
                             held.append(chunk.text)
                         else:
                             shown = True
-                            yield CallChunk(text=chunk.text)
+                            yield CallChunk(text=chunk.text, logprobs=pending)
+                            pending = [] if pending is not None else None
                         continue
                     content = "".join(held) + chunk.text
                     last = _last_chunk(spec, chunk.result, content, allow_incomplete)
@@ -343,7 +353,7 @@ async def run_call(
                         and repeats_answered_calls(spec.messages, last.tool_calls)
                     )
                     if not repeated:
-                        yield last
+                        yield dataclasses.replace(last, logprobs=pending)
                         return
             if not repeated:
                 raise GenerationError("the call ended without a result")  # pragma: no cover

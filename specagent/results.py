@@ -8,9 +8,36 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-__all__ = ["GenerationResult", "SpecStats", "StreamChunk", "Usage"]
+__all__ = ["GenerationResult", "Logprob", "SpecStats", "StreamChunk", "Usage"]
 
 FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One output token's log-probability under the target (``GenerationResult.logprobs``)
+    and, for an emitted token, the most likely tokens at its position with theirs (``top``,
+    most likely first)."""
+
+    token_id: int
+    text: str
+    """The token alone, decoded (a piece of a character decodes to U+FFFD)."""
+    logprob: float
+    top: tuple[Logprob, ...] = ()
+
+    def as_openai(self) -> dict[str, Any]:
+        """OpenAI's entry of ``choices[].logprobs.content`` (``bytes``: the UTF-8 of
+        ``text``)."""
+        entry: dict[str, Any] = {
+            "token": self.text,
+            "logprob": self.logprob,
+            "bytes": list(self.text.encode("utf-8")),
+        }
+        entry["top_logprobs"] = [
+            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode("utf-8"))}
+            for t in self.top
+        ]
+        return entry
 
 
 @dataclass(frozen=True)
@@ -88,6 +115,12 @@ class GenerationResult:
     trace_id: str | None = None
     """The call's OpenTelemetry trace (32 hex digits; None where no tracer records): what
     its audit row names, to join the trace."""
+    logprobs: list[Logprob] | None = field(default=None, repr=False)
+    """Each of ``token_ids``' log-probability under the target, where the call asked for
+    them (``logprobs=``; None otherwise): read from the verification that accepted the token,
+    before temperature, top-k and top-p, over what a grammar allows there. For a lossless
+    policy these are the target's own; for a relaxed one, the target's at the positions the
+    relaxed rule accepted (a token it accepted can be one the target finds unlikely)."""
 
 
 @dataclass(frozen=True)
@@ -98,3 +131,5 @@ class StreamChunk:
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     result: GenerationResult | None = None
+    logprobs: list[Logprob] | None = None
+    """``token_ids``' log-probabilities, where the call asked for them."""

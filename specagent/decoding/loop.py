@@ -51,7 +51,7 @@ from .engine import (
 from .parts import Prefixes
 from .prefix import reuse_prefix
 from .proposal import EMPTY, DraftRequest, DraftTree, Proposal, TokenConstraint
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
 from .schedule import FixedSchedule, Schedule
 from .tree import TreeVerdict, verify_tree
 
@@ -168,6 +168,8 @@ class DecodeEvent:
     """``"stop"`` (EOS or a stop string) or ``"length"`` (max_new_tokens or the context window)."""
     output_ids: list[int] | None = None
     """On the last event: the whole output, cut before any stop string or EOS."""
+    logprobs: list[TokenLogprob] | None = None
+    """Each of ``token_ids``' log-probability under the target (``Decoding.logprobs``)."""
 
 
 DecodeSteps = Generator["ForwardRequest | DecodeEvent", "torch.Tensor | None", None]
@@ -214,6 +216,9 @@ class Decoding:
     prefixes: Prefixes | None = None
     """Where the KV of prefixes seen by earlier calls is reused from, and this call's (prompt
     and output) kept when it finishes."""
+    logprobs: int | None = None
+    """Each emitted token's log-probability under the target, read from the verification
+    forward that accepted it, with this many most likely alternatives (None: none)."""
 
 
 def speculative_steps(target: Runner, prompt_ids: Sequence[int], how: Decoding) -> DecodeSteps:
@@ -260,16 +265,17 @@ def speculative_steps(target: Runner, prompt_ids: Sequence[int], how: Decoding) 
                 yield ForwardRequest(target, unfed, cache, keep=1)
                 unfed = _kept(prefixes, target, context, cache)
             # Several drafts in one forward (``tree.py``): the accepted path and one more token.
-            judged = yield from _tree_step(target, tree, context, cache, params, generator)
+            judged, logits = yield from _tree_step(target, tree, context, cache, params, generator)
             counters.record_tree(len(tree), judged)
             schedule.observe(proposed, tree.accepted_of(0, judged.path))
             if drafter is not None:
                 drafter.observe_tree(tree, judged.path)
             new = [*(tree.tokens[node] for node in judged.path), judged.next_token]
+            rows = [0, *(node + 1 for node in judged.path)]  # the row that predicted each
         else:
             tail = take_forced(constraint, int(min(room - 1 - proposed, 1 << 30)))
             step = joined(forced, proposal, tail)
-            verdict = yield from _chain_step(
+            verdict, logits = yield from _chain_step(
                 target, step, unfed, context, cache, constraint, prefixes, params, rule, generator
             )
             unfed = []  # fed with the first forward, and kept for later calls
@@ -280,20 +286,24 @@ def speculative_steps(target: Runner, prompt_ids: Sequence[int], how: Decoding) 
             if drafter is not None:
                 drafter.observe(proposed, accepted)
             new = [*step.tokens[: verdict.num_accepted], verdict.next_token]
+            rows = list(range(len(new)))
         bound = how.max_divergence
         if rule is not None and bound is not None and counters.divergence > bound:
             rule = None
             counters.fell_back_to_lossless = True
 
         new, finish = _emit(new, output, context, eos, max_new_tokens, constraint, how.stop_check)
+        logprobs = None
+        if how.logprobs is not None:  # ``new`` is what the step's rows predicted, cut short
+            logprobs = token_logprobs(logits, rows, new, how.logprobs)
         if finish is None and (len(output) >= max_new_tokens or len(context) >= limit):
             finish = "length"
         if finish is not None:
             if prefixes is not None:
                 _keep_for_later(prefixes, target, cache, context, drafter)
-            yield DecodeEvent(new, counters, finish_reason=finish, output_ids=list(output))
+            yield DecodeEvent(new, counters, finish, list(output), logprobs)
             return
-        yield DecodeEvent(new, counters)
+        yield DecodeEvent(new, counters, logprobs=logprobs)
 
 
 def _chain_step(
@@ -307,10 +317,10 @@ def _chain_step(
     params: SamplingParams,
     rule: RelaxedRule | None,
     generator: torch.Generator,
-) -> Generator[ForwardRequest, torch.Tensor | None, Verdict]:
+) -> Generator[ForwardRequest, torch.Tensor | None, tuple[Verdict, torch.Tensor]]:
     """One forward over the prompt's unfed rest (first step only), the last token and the
     step's tokens, each row masked by the grammar, verified; the cache cut to what was
-    accepted."""
+    accepted. Returns the verdict and the (masked) logits it was given."""
     masks = masks_and_rewind(constraint, step) if constraint is not None else None
     rows = len(step.tokens) + 1
     logits = yield ForwardRequest(  # [k+1, V]
@@ -324,7 +334,7 @@ def _chain_step(
         logits = logits.masked_fill(~to_device(masks, logits.device), float("-inf"))
     verdict = _verify(step, logits, params, rule, generator)
     crop_to(cache, len(context) + verdict.num_accepted)
-    return verdict
+    return verdict, logits
 
 
 def _tree_step(
@@ -334,9 +344,10 @@ def _tree_step(
     cache: KVSequence,
     params: SamplingParams,
     generator: torch.Generator,
-) -> Generator[ForwardRequest, torch.Tensor | None, TreeVerdict]:
+) -> Generator[ForwardRequest, torch.Tensor | None, tuple[TreeVerdict, torch.Tensor]]:
     """One forward over the last token and the tree's nodes (its mask and positions), the walk
-    down the tree, and the accepted path's KV kept (``Runner.keep_path``)."""
+    down the tree, and the accepted path's KV kept (``Runner.keep_path``). Returns the
+    verdict and the tree's logits (row 0: the last token's; row ``n + 1``: node ``n``'s)."""
     logits = yield ForwardRequest(
         target, [context[-1], *tree.tokens], cache, tree=tree.row_parents()
     )
@@ -345,7 +356,7 @@ def _tree_step(
     probs = None if params.greedy else logits_to_probs(logits, params)
     judged = verify_tree(tree, logits, params.greedy, probs, generator)
     target.keep_path(cache, len(context) - 1, judged.path)
-    return judged
+    return judged, logits
 
 
 def _emit(

@@ -7,11 +7,19 @@ distribution: it takes the argmax, and the rules fall back to exact matching.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "logits_to_probs", "make_generator", "sample"]
+__all__ = [
+    "SamplingParams",
+    "TokenLogprob",
+    "logits_to_probs",
+    "make_generator",
+    "sample",
+    "token_logprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -89,3 +97,35 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's distribution at its position
+    (the logits of the verification that accepted it, log-softmaxed before temperature, top-k
+    and top-p; with a grammar, over the tokens it allows), and the ``top`` most likely tokens
+    there with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], top: int
+) -> list[TokenLogprob]:
+    """``tokens[i]``'s log-probability at ``logits[rows[i]]`` and that row's ``top`` most
+    likely tokens: one log-softmax over the rows asked for, read back to the host once."""
+    if not tokens:
+        return []
+    index = torch.tensor(list(rows[: len(tokens)]), device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+    ids = torch.tensor(list(tokens), device=logits.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [TokenLogprob(t, v) for t, v in zip(tokens, chosen, strict=True)]
+    values, best = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    return [
+        TokenLogprob(t, v, tuple(zip(b, w, strict=True)))
+        for t, v, b, w in zip(tokens, chosen, best.tolist(), values.tolist(), strict=True)
+    ]

@@ -11,7 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..decoding.stopping import check_stops
 
-__all__ = ["MaxNewTokens", "SamplingConfig", "Seed", "Temperature", "TopK", "TopP"]
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "MaxNewTokens",
+    "SamplingConfig",
+    "Seed",
+    "Temperature",
+    "TopK",
+    "TopLogprobs",
+    "TopP",
+]
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 """0 is greedy; at most 2, as OpenAI's API bounds it."""
@@ -21,6 +30,11 @@ TopK = Annotated[int, Field(ge=0)]
 """Keep only the k most likely tokens; 0 keeps all."""
 MaxNewTokens = Annotated[int, Field(ge=1, le=1_000_000)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+"""How many most likely alternatives each emitted token's log-probability comes with (0: the
+token's own only); at most 20, as OpenAI's API bounds it. Not a sampling default: a call asks
+for log-probabilities or not."""
 
 
 class SamplingConfig(BaseModel):

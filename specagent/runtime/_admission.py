@@ -22,6 +22,7 @@ from ..errors import ContextLengthError, InvalidRequestError, PolicyError
 from ..grammar import GrammarState, compile_constraint
 from ..policy import Policy, PolicySet, load_policies
 from ..policy.loader import format_validation_error
+from ..policy.sampling import MAX_TOP_LOGPROBS
 from ..policy.schema import SamplingConfig
 from ..tenants import HistoryScope, Tenant
 
@@ -62,6 +63,8 @@ class CallPlan:
     its own context only, nothing kept)."""
     prediction_ids: tuple[int, ...] = ()
     """The caller's predicted output, tokenized (``Call.prediction``)."""
+    logprobs: int | None = None
+    """Alternatives per emitted token's log-probability (``Call.logprobs``; None: none)."""
 
     @property
     def reproducible(self) -> bool:
@@ -137,6 +140,12 @@ class Admission:
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p
         )
         call_seed = sampling.seed if sampling.seed is not None else secrets.randbits(63)
+        if call.logprobs is not None and not 0 <= call.logprobs <= MAX_TOP_LOGPROBS:
+            msg = (
+                f"logprobs must be between 0 and {MAX_TOP_LOGPROBS} alternatives, "
+                f"got {call.logprobs}"
+            )
+            raise InvalidRequestError(msg)
         grammar = None
         if call.constraint is not None:
             # The runtime's own tokenizer: llguidance converts each tokenizer object once.
@@ -159,6 +168,7 @@ class Admission:
             prediction_ids=tuple(
                 prediction_ids(call.prediction, tok, self.vocab_size, self.context_window)
             ),
+            logprobs=call.logprobs,
         )
 
 

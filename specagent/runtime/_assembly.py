@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..decoding.loop import DecodeCounters, DecodeEvent
+from ..decoding.sampling import TokenLogprob
 from ..decoding.stopping import IncrementalText, StopStrings
-from ..results import GenerationResult, SpecStats, StreamChunk, Usage
+from ..results import GenerationResult, Logprob, SpecStats, StreamChunk, Usage
 from ._admission import CallPlan
 
 __all__ = ["CallAssembler"]
@@ -39,6 +40,10 @@ class CallAssembler:
         self.started = started
         self.decode_text = decode_text
         self.token_ids: list[int] = []
+        self.logprobs: list[Logprob] | None = [] if plan.logprobs is not None else None
+        """Every output token's, where the call asked for them (else None)."""
+        self.step_logprobs: list[Logprob] | None = None
+        """The last event's tokens' (for its chunk)."""
         self.emitted = 0
         self.stops = StopStrings(plan.stop, decode_text) if plan.stop else None
         self.text = self.stops.text if self.stops else IncrementalText(decode_text)
@@ -50,6 +55,9 @@ class CallAssembler:
 
     def chunk(self, event: DecodeEvent) -> StreamChunk | None:
         self.token_ids.extend(event.token_ids)
+        logprobs = self.step_logprobs = self._readable(event.logprobs)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs)
         if self.stops is not None:
             self.stops.feed(event.token_ids)  # where the result's text is cut
         elif self.streaming:
@@ -59,11 +67,11 @@ class CallAssembler:
         text = self.text.text
         safe = self.stops.safe_length() if self.stops is not None else len(text)
         if safe <= self.emitted:
-            return (
-                StreamChunk(text="", token_ids=list(event.token_ids)) if event.token_ids else None
-            )
+            if not event.token_ids:
+                return None
+            return StreamChunk(text="", token_ids=list(event.token_ids), logprobs=logprobs)
         delta, self.emitted = text[self.emitted : safe], safe
-        return StreamChunk(text=delta, token_ids=list(event.token_ids))
+        return StreamChunk(text=delta, token_ids=list(event.token_ids), logprobs=logprobs)
 
     def finish(
         self, event: DecodeEvent, first_token_at: float | None
@@ -89,14 +97,34 @@ class CallAssembler:
             stats=self._stats(event.counters, now, len(output_ids), first_token_at),
             seed=self.plan.seed,
             prompt_token_ids=self.plan.prompt_ids,
+            logprobs=self.logprobs[: len(output_ids)] if self.logprobs is not None else None,
         )
         last = StreamChunk(
             text=text[self.emitted :] if len(text) > self.emitted else "",
             token_ids=list(event.token_ids),
             finish_reason=result.finish_reason,
             result=result,
+            logprobs=self.step_logprobs,
         )
         return last, result
+
+    def _readable(self, logprobs: list[TokenLogprob] | None) -> list[Logprob] | None:
+        """The decoding core's log-probabilities with each token's text."""
+        if logprobs is None or self.logprobs is None:
+            return None
+        text = self._token_text
+        return [
+            Logprob(
+                each.token,
+                text(each.token),
+                each.logprob,
+                tuple(Logprob(t, text(t), v) for t, v in each.top),
+            )
+            for each in logprobs
+        ]
+
+    def _token_text(self, token: int) -> str:
+        return self.decode_text([token])
 
     def _stats(
         self, counters: DecodeCounters, now: float, output_tokens: int, first: float | None

@@ -254,6 +254,7 @@ class Decoder:
             max_context=self.context_window,
             constraint=plan.grammar,
             prefixes=prefixes,
+            logprobs=plan.logprobs,
         )
         steps = speculative_steps(target, plan.prompt_ids, how)
         if key is None or history is None:

@@ -138,6 +138,7 @@ def call_spec(
             top_k=body.top_k,
             max_tokens=budget(body.budget, key, options),
             seed=body.seed,
+            logprobs=body.logprob_alternatives,
             timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
             prediction=body.prediction,
         )

@@ -117,7 +117,8 @@ async def sse(
         async for chunk in chunks:
             if chunk.result is None:
                 if chunk.text:
-                    yield event(stream_chunk(request_id, model, {"content": chunk.text}))
+                    delta = {"content": chunk.text}
+                    yield event(stream_chunk(request_id, model, delta, logprobs=chunk.logprobs))
                 continue
             delta = final_delta(chunk)
             if not chunk.tool_calls and chunk.content:
@@ -127,7 +128,10 @@ async def sse(
                     "speculative_decoding_stats"
                 ]
             }
-            yield event(stream_chunk(request_id, model, delta, chunk.finish_reason, extra=stats))
+            last = stream_chunk(
+                request_id, model, delta, chunk.finish_reason, extra=stats, logprobs=chunk.logprobs
+            )
+            yield event(last)
             if include_usage:
                 yield event(stream_chunk(request_id, model, usage=usage_body(chunk.result)))
             status, result = 200, chunk.result

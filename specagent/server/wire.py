@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -25,8 +26,8 @@ from pydantic import (
 from ..calls import CallChunk
 from ..chat import ToolCall
 from ..errors import InvalidRequestError
-from ..policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopP
-from ..results import GenerationResult, SpecStats
+from ..policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopLogprobs, TopP
+from ..results import GenerationResult, Logprob, SpecStats
 
 __all__ = [
     "ChatCompletionRequest",
@@ -50,7 +51,6 @@ UNHONOURED = {
     "logit_bias": "logit_bias is not supported (it would change the model's distribution)",
     "functions": "the legacy functions field is not supported; pass tools",
     "function_call": "the legacy function_call field is not supported; pass tool_choice",
-    "top_logprobs": "logprobs are not supported",
     "audio": "audio output is not supported",
     "modalities": "only the text modality is supported",
     "web_search_options": "web search is not supported",
@@ -131,13 +131,15 @@ class ChatCompletionRequest(BaseModel):
     metadata: dict[str, str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="only one choice per call")
     logprobs: bool | None = None
+    """Each output token's log-probability under the target (``choices[].logprobs``)."""
+    top_logprobs: TopLogprobs | None = None
+    """With ``logprobs``: that many most likely tokens at each position, with theirs."""
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     parallel_tool_calls: bool | None = None
     logit_bias: Any = None
     functions: Any = None
     function_call: Any = None
-    top_logprobs: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: dict[str, Any] | None = None
@@ -161,13 +163,6 @@ class ChatCompletionRequest(BaseModel):
         # It becomes the call's sub-tenant: spans, audit rows and logs name it.
         if value is not None and not value.isprintable():
             raise ValueError("must be printable characters (no NUL or other control characters)")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
         return value
 
     @field_validator("frequency_penalty", "presence_penalty")
@@ -197,6 +192,13 @@ class ChatCompletionRequest(BaseModel):
                 raise ValueError(msg)
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("logprobs must be true to ask for top_logprobs")
+        return value
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_shape(cls, value: str | dict[str, Any] | None) -> Any:
@@ -219,6 +221,11 @@ class ChatCompletionRequest(BaseModel):
     @property
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        """``Call.logprobs``: alternatives per token where log-probabilities are asked for."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -331,13 +338,20 @@ def completion(request_id: str, model: str, last: CallChunk) -> dict[str, Any]:
                 "index": 0,
                 "message": message,
                 "finish_reason": last.finish_reason,
-                "logprobs": None,
+                "logprobs": logprobs_body(last.result.logprobs),
             }
         ],
         "usage": usage_body(last.result),
         "system_fingerprint": f"seed-{last.result.seed}",
         "speculative_decoding_stats": speculative_stats(last.result.stats),
     }
+
+
+def logprobs_body(logprobs: Sequence[Logprob] | None) -> dict[str, Any] | None:
+    """``choices[].logprobs`` (None where the call did not ask for them)."""
+    if logprobs is None:
+        return None
+    return {"content": [each.as_openai() for each in logprobs], "refusal": None}
 
 
 def stream_chunk(
@@ -347,6 +361,7 @@ def stream_chunk(
     finish_reason: str | None = None,
     usage: dict[str, int] | None = None,
     extra: dict[str, Any] | None = None,
+    logprobs: Sequence[Logprob] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None`` with ``usage``: the usage-only chunk that
     ends a stream asked for with ``stream_options.include_usage``."""
@@ -357,7 +372,14 @@ def stream_chunk(
         "model": model,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        else [
+            {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish_reason,
+                "logprobs": logprobs_body(logprobs),
+            }
+        ],
     }
     if usage is not None:
         body["usage"] = usage

@@ -253,6 +253,24 @@ def runtime(gguf_file, tokenizer):
     rt.close()
 
 
+def test_logprobs_on_llama_cpp_are_a_plain_forwards(runtime, tokenizer) -> None:
+    """Each emitted token's log-probability, read from the verification that accepted it
+    (drafted chains included), equals one plain forward's log-softmax over the same text."""
+    runner = runtime._decoder.target_runner
+    for text in TEXTS:
+        ids = tokenizer.encode(f"{text} {text}")
+        result = runtime.generate_sync(ids, policy="lookup", max_new_tokens=16, logprobs=2)
+        assert result.logprobs is not None
+        assert [each.token_id for each in result.logprobs] == result.token_ids
+        full = runner.forward(ids + result.token_ids, runner.new_cache())
+        rows = torch.log_softmax(full[len(ids) - 1 : len(ids) - 1 + len(result.token_ids)], -1)
+        for row, each in zip(rows, result.logprobs, strict=True):
+            assert each.logprob == pytest.approx(float(row[each.token_id]), abs=1e-3)
+            assert [t.logprob for t in each.top] == pytest.approx(
+                row.topk(2).values.tolist(), abs=1e-3
+            )
+
+
 @pytest.mark.anyio
 async def test_concurrent_calls_through_the_runtime_equal_plain_greedy(runtime, tokenizer) -> None:
     assert runtime.engine == "llama.cpp"

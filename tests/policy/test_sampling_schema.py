@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from specagent.call import Call
 from specagent.calls import CallSpec
-from specagent.policy.sampling import SamplingConfig
+from specagent.policy.sampling import MAX_TOP_LOGPROBS, SamplingConfig
 from specagent.server.wire import ChatCompletionRequest
 
 # Each front door's name for the policy's field (the wire and LangChain say max_tokens).
@@ -78,3 +78,17 @@ def test_top_k_reaches_the_call_from_each_front_door() -> None:
     assert spec.call.top_k == 5
     request = ChatCompletionRequest(model="m", messages=MESSAGES, top_k=5)
     assert request.top_k == 5
+
+
+@pytest.mark.parametrize("front_door", ["wire", "langchain"])
+def test_top_logprobs_is_bounded_alike_at_each_front_door(front_door: str) -> None:
+    """``top_logprobs`` (not a policy's: a call asks for log-probabilities or not) takes 0 to
+    ``MAX_TOP_LOGPROBS`` at every front door, as admission does."""
+    if front_door == "wire":
+        build = functools.partial(
+            ChatCompletionRequest, model="m", messages=MESSAGES, logprobs=True
+        )
+    else:
+        build = functools.partial(_chat_model(), target="m", logprobs=True)
+    for value in (-1, 0, 1, MAX_TOP_LOGPROBS, MAX_TOP_LOGPROBS + 1):
+        assert _accepts(build, "top_logprobs", value) == (0 <= value <= MAX_TOP_LOGPROBS), value

@@ -246,7 +246,11 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
         ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"tool_choice": "get_time"}, None),
         ({"response_format": {"type": "yaml"}}, None),
-        ({"logprobs": True}, "logprobs"),
+        # Log-probabilities: at most 20 alternatives, and only with logprobs asked for.
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
         # Malformed shapes, each once a 500 with a traceback.
         ({"tool_choice": {"type": "function", "function": "get_time"}}, "tool_choice"),
         ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
@@ -260,7 +264,6 @@ def test_unknown_policy_and_model_are_404(live: Live) -> None:
         ({"logit_bias": {"50": 100}}, "logit_bias"),
         ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"top_logprobs": 3}, "top_logprobs"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         # Predicted outputs of a shape OpenAI does not define, or longer than any answer.
         ({"prediction": {"type": "text", "content": "x"}}, "prediction"),

@@ -20,7 +20,22 @@ from langchain_core.outputs import ChatGenerationChunk
 
 from specagent.calls import CallChunk
 
-__all__ = ["final_chunk", "to_chat_message"]
+__all__ = ["final_chunk", "text_chunk", "to_chat_message"]
+
+
+def _logprobs(chunk: CallChunk) -> dict[str, Any]:
+    """``{"logprobs": {"content": [...]}}`` for a chunk's tokens, as ``ChatOpenAI`` reports
+    them (LangChain merges the chunks' lists); empty where the call did not ask."""
+    if chunk.logprobs is None:
+        return {}
+    return {"logprobs": {"content": [each.as_openai() for each in chunk.logprobs]}}
+
+
+def text_chunk(chunk: CallChunk) -> ChatGenerationChunk:
+    """A piece of a call's text (and its tokens' log-probabilities, where asked for)."""
+    logprobs = _logprobs(chunk)
+    message = AIMessageChunk(content=chunk.text, response_metadata=dict(logprobs))
+    return ChatGenerationChunk(message=message, generation_info=logprobs or None)
 
 
 def final_chunk(chunk: CallChunk, model_name: str) -> ChatGenerationChunk:
@@ -45,6 +60,7 @@ def final_chunk(chunk: CallChunk, model_name: str) -> ChatGenerationChunk:
             "model_name": model_name,
             "model_provider": "specagent",
             "finish_reason": chunk.finish_reason,
+            **_logprobs(chunk),
             "specagent": {
                 "policy": stats.policy,
                 "mode": stats.mode,
@@ -68,6 +84,7 @@ def final_chunk(chunk: CallChunk, model_name: str) -> ChatGenerationChunk:
                 },
             },
             "model_name": model_name,
+            **_logprobs(chunk),
         },
     )
 

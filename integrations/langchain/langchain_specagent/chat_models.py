@@ -18,7 +18,6 @@ from langchain_core.language_models.chat_models import (
 )
 from langchain_core.messages import (
     AIMessage,
-    AIMessageChunk,
     BaseMessage,
 )
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
@@ -31,11 +30,11 @@ from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from specagent import IncompleteOutputError, SpecRuntime, load_policies, shipped_policies
 from specagent.backend import Backend
 from specagent.calls import CallSpec, run_call, split_model, tool_choice_name
-from specagent.policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopP
+from specagent.policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopLogprobs, TopP
 from specagent.runtime.portal import iterate_sync
 
 from ._structured import structured_output
-from ._translate import final_chunk, to_chat_message
+from ._translate import final_chunk, text_chunk, to_chat_message
 
 __all__ = ["ChatSpecAgent"]
 
@@ -130,6 +129,11 @@ class ChatSpecAgent(BaseChatModel):
     max_retries: int = 2
     """Retries when the runtime is overloaded or a decoding step failed, before any output."""
     seed: Seed | None = None
+    logprobs: bool | None = None
+    """Each output token's log-probability under the target, in
+    ``response_metadata["logprobs"]`` (``{"content": [...]}``, as ``ChatOpenAI`` gives them)."""
+    top_logprobs: TopLogprobs | None = None
+    """With ``logprobs``: that many most likely tokens at each position, with theirs."""
     tenant: str | None = None
     """Who this model's calls are for: policies that draft from earlier calls' text, and the
     prefix cache, share only within a tenant; calls with no tenant share nothing. When set, a
@@ -378,6 +382,7 @@ class ChatSpecAgent(BaseChatModel):
             top_k=kwargs.pop("top_k", self.top_k),
             max_tokens=kwargs.pop("max_tokens", self.max_tokens),
             seed=kwargs.pop("seed", self.seed),
+            logprobs=self._logprobs(kwargs),
             timeout=kwargs.pop("timeout", self.timeout),
             answer_guard=self.guard_answers,
             repeat_guard=self.guard_answers,
@@ -386,6 +391,14 @@ class ChatSpecAgent(BaseChatModel):
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
         return call, model or self._model_name()
+
+    def _logprobs(self, kwargs: dict[str, Any]) -> int | None:
+        """``Call.logprobs`` from the call's or the model's ``logprobs`` and ``top_logprobs``."""
+        wanted = kwargs.pop("logprobs", self.logprobs)
+        top = kwargs.pop("top_logprobs", self.top_logprobs)
+        if top is not None and not wanted:
+            raise ValueError("top_logprobs needs logprobs=True")
+        return (top or 0) if wanted else None
 
     async def _chunks(
         self, call: CallSpec, model: str, options: dict[str, Any] | None = None
@@ -396,7 +409,7 @@ class ChatSpecAgent(BaseChatModel):
         try:
             async for chunk in run_call(self._runtime(), call, self.max_retries):
                 if chunk.result is None:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+                    yield text_chunk(chunk)
                 else:
                     yield final_chunk(chunk, model)
         except IncompleteOutputError as exc:
