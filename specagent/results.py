@@ -28,16 +28,10 @@ class Logprob:
     def as_openai(self) -> dict[str, Any]:
         """OpenAI's entry of ``choices[].logprobs.content`` (``bytes``: the UTF-8 of
         ``text``)."""
-        entry: dict[str, Any] = {
-            "token": self.text,
-            "logprob": self.logprob,
-            "bytes": list(self.text.encode("utf-8")),
-        }
-        entry["top_logprobs"] = [
-            {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode("utf-8"))}
-            for t in self.top
-        ]
-        return entry
+        return {**self._entry(), "top_logprobs": [t._entry() for t in self.top]}
+
+    def _entry(self) -> dict[str, Any]:
+        return {"token": self.text, "logprob": self.logprob, "bytes": list(self.text.encode())}
 
 
 @dataclass(frozen=True)

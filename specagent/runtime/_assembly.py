@@ -44,6 +44,10 @@ class CallAssembler:
         """Every output token's, where the call asked for them (else None)."""
         self.step_logprobs: list[Logprob] | None = None
         """The last event's tokens' (for its chunk)."""
+        self.token_texts: dict[int, str] = {}
+        """Each token's text, decoded once per call: alternatives repeat from step to step,
+        and a call with 20 of them per token would otherwise decode 21 strings per token on
+        the caller's event loop."""
         self.emitted = 0
         self.stops = StopStrings(plan.stop, decode_text) if plan.stop else None
         self.text = self.stops.text if self.stops else IncrementalText(decode_text)
@@ -110,7 +114,7 @@ class CallAssembler:
 
     def _readable(self, logprobs: list[TokenLogprob] | None) -> list[Logprob] | None:
         """The decoding core's log-probabilities with each token's text."""
-        if logprobs is None or self.logprobs is None:
+        if logprobs is None:
             return None
         text = self._token_text
         return [
@@ -124,7 +128,10 @@ class CallAssembler:
         ]
 
     def _token_text(self, token: int) -> str:
-        return self.decode_text([token])
+        text = self.token_texts.get(token)
+        if text is None:
+            text = self.token_texts[token] = self.decode_text([token])
+        return text
 
     def _stats(
         self, counters: DecodeCounters, now: float, output_tokens: int, first: float | None

@@ -127,3 +127,25 @@ def test_a_call_without_logprobs_gets_none_and_a_bad_count_is_refused(runtime) -
             runtime.generate_sync(PROMPTS[0], policy="plain", max_new_tokens=4, logprobs=bad)
     # The runtime is unharmed: the next call runs.
     assert runtime.generate_sync(PROMPTS[0], policy="plain", max_new_tokens=4).token_ids
+
+
+def test_each_tokens_text_is_decoded_once_per_call(runtime, monkeypatch) -> None:
+    """Twenty alternatives per token repeat from step to step: the assembler, on the caller's
+    event loop, decodes each distinct token once, not 21 strings per emitted token."""
+    decoded: list[list[int]] = []
+    real = runtime._calls.decode_text
+
+    def counted(ids):
+        decoded.append(list(ids))
+        return real(ids)
+
+    monkeypatch.setattr(runtime._calls, "decode_text", counted)
+    result = runtime.generate_sync(PROMPTS[0], policy="drafted", max_new_tokens=24, logprobs=20)
+    assert result.logprobs is not None
+    singles = [ids[0] for ids in decoded if len(ids) == 1]
+    seen = {each.token_id for each in result.logprobs} | {
+        t.token_id for each in result.logprobs for t in each.top
+    }
+    assert set(singles) == seen
+    # Decoded once each (a one-token output is decoded whole once more, at the end).
+    assert len(singles) - len(seen) == (1 if len(result.token_ids) == 1 else 0)
