@@ -28,6 +28,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    inspect,
     select,
     text,
 )
@@ -43,7 +44,7 @@ __all__ = [
     "migrate",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 METADATA = MetaData()
 
@@ -54,6 +55,11 @@ CALLS = Table(
     Column("at", DateTime(timezone=True), nullable=False, comment="when the call ended, UTC"),
     Column("minute", DateTime(timezone=True), nullable=False, comment="at, to the minute"),
     Column("front_door", String(16), nullable=False, comment="server or sdk"),
+    Column(
+        "endpoint",
+        String(32),
+        comment="the server's route: chat.completions or responses; null: the SDK's",
+    ),
     Column("key_name", String(128), comment="the API key's name (never the key); null: none"),
     Column("tenant", String(600), comment="as the runtime scopes it: principal[/sub-tenant]"),
     Column("policy", String(128), comment="null: refused before a policy was known"),
@@ -147,7 +153,7 @@ GROUP BY c.minute, c.policy
 
 
 def _create_v1(connection: Connection) -> None:
-    METADATA.create_all(connection, tables=[CALLS])
+    METADATA.create_all(connection, tables=[CALLS])  # today's columns: later steps add none
     connection.execute(text(_MINUTES_SQL))
 
 
@@ -155,7 +161,18 @@ def _create_v2(connection: Connection) -> None:
     METADATA.create_all(connection, tables=[REFUSALS])
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _create_v1, 2: _create_v2}
+def _add_endpoint_v3(connection: Connection) -> None:
+    """Which route a server call came through (a store made before it has no such column;
+    its older rows read null)."""
+    if "endpoint" not in {c["name"] for c in inspect(connection).get_columns(CALLS.name)}:
+        connection.execute(text(f"ALTER TABLE {CALLS.name} ADD COLUMN endpoint VARCHAR(32)"))
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {
+    1: _create_v1,
+    2: _create_v2,
+    3: _add_endpoint_v3,
+}
 """``MIGRATIONS[v]`` brings a store at version ``v - 1`` (0: empty) to version ``v``."""
 
 

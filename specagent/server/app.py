@@ -18,7 +18,7 @@ itself is ``specagent.calls``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
@@ -28,7 +28,7 @@ from sse_starlette import EventSourceResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..backend import Backend
-from ..calls import run_call
+from ..calls import CallChunk, CallSpec, run_call
 from ..errors import SpecAgentError
 from .dashboard_routes import add_dashboard_routes
 from .errors import ApiError, as_api_error
@@ -37,10 +37,22 @@ from .limits import Limited, Limits
 from .metrics import HttpMetrics, observe_activity, observe_audit
 from .middleware import BodyLimit
 from .options import ServerOptions
-from .requests import authenticate, bearer, call_spec, default_per_key, parse_body
+from .requests import (
+    authenticate,
+    bearer,
+    call_spec,
+    chat_request,
+    default_per_key,
+    parse_body,
+    parse_responses,
+    translated,
+)
+from .response_store import ResponseStore, StoredResponse
+from .responses_stream import response_events
+from .responses_wire import ResponsesRequest, item_id, output_items, response_body, response_id
 from .served import Served
 from .streaming import chain, collect, first_chunk, sse, unless_disconnected
-from .wire import completion, completion_id
+from .wire import assistant_message, completion, completion_id
 
 __all__ = ["ServerOptions", "create_app"]
 
@@ -55,6 +67,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
     _add_errors(app, served)
     _add_probes(app, served)
     _add_chat(app, served)
+    _add_responses(app, served)
     if options.dashboard:
         add_dashboard_routes(app, served)
     app.add_middleware(
@@ -142,38 +155,15 @@ def _add_probes(app: FastAPI, served: Served) -> None:
 
 def _add_chat(app: FastAPI, served: Served) -> None:
     """``POST /v1/chat/completions``: the key, its limits, the body, the call, its answer."""
-    backend, keys, options, limits = served.backend, served.keys, served.options, served.limits
-    audit = options.audit
+    backend, options = served.backend, served.options
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        # In this order: draining, key, then the body (an unauthenticated caller learns nothing
-        # about what a valid request looks like).
-        if served.draining:
-            raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
-        key = authenticate(keys, request)
-        if options.audit_required and (audit is None or not audit.healthy):
-            message = "the audit store cannot record calls now, and this server needs a record"
-            raise ApiError(503, message, "unavailable", code="audit_unavailable")
-        # JSON only: a browser page may POST text/plain anywhere without asking first, never
-        # application/json (the cross-origin preflight stops it).
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
-            message = "the request body must be JSON (Content-Type: application/json)"
-            raise ApiError(415, message, "invalid_request_error", code="unsupported_media_type")
-        # The key's limits before its body is read and parsed: a limited key's megabyte
-        # costs nothing.
-        try:
-            release = limits.acquire(key, default_concurrent=served.per_key)
-        except Limited as exc:
-            raise _limited(exc) from None
+        key, release = _admitted(request, served)
         try:
             body = parse_body(await request.body())
             call = call_spec(backend, body, request, key, options)
-            if backend.policies[call.call.policy or ""].reproducible:
-                release = _with_reproducible_slot(limits, key, options, release)
-        except Limited as exc:
-            release()
-            raise _limited(exc) from None
+            release = _with_slots(served, key, call, release)
         except BaseException:
             release()
             raise
@@ -181,33 +171,12 @@ def _add_chat(app: FastAPI, served: Served) -> None:
         request_id = completion_id()
         chunks = run_call(backend, call, allow_incomplete=True)  # an async generator
         if not body.stream:
-            try:
-                whole = await unless_disconnected(request, collect(chunks))
-            except SpecAgentError as exc:
-                raise as_api_error(exc) from None
-            finally:
-                release()
-                with anyio.CancelScope(shield=True):
-                    await chunks.aclose()
-            if whole is None:  # the client went away: the call was cancelled, nobody reads this
-                served.ended(request, 499)
+            whole = await _whole(request, served, chunks, release)
+            if whole is None:
                 return Response(status_code=499)
-            if whole.result is not None:
-                served.ended(request, 200, whole.result)
             return JSONResponse(completion(request_id, model, whole))
-        try:
-            # Admission and the queue may take a while: a client that leaves meanwhile
-            # takes its call out of them.
-            first = await unless_disconnected(request, first_chunk(chunks))
-        except BaseException:
-            release()
-            await chunks.aclose()
-            raise
+        first = await _first(request, served, chunks, release)
         if first is None:
-            release()
-            with anyio.CancelScope(shield=True):
-                await chunks.aclose()
-            served.ended(request, 499)
             return Response(status_code=499)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = sse(
@@ -219,6 +188,174 @@ def _add_chat(app: FastAPI, served: Served) -> None:
             lambda status, result: served.ended(request, status, result),
         )
         return EventSourceResponse(events, ping=15, send_timeout=30)
+
+
+def _add_responses(app: FastAPI, served: Served) -> None:
+    """``POST /v1/responses`` (OpenAI's Responses API, translated into the chat call it asks
+    for), and ``GET`` / ``DELETE /v1/responses/{id}`` for the key's stored responses."""
+    backend, keys, options, store = served.backend, served.keys, served.options, served.responses
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        key, release = _admitted(request, served)
+        try:
+            body = parse_responses(await request.body())
+            earlier = _chained(store, key, body)
+            if body.store and store is None:
+                message = "this server does not store responses (store must be false)"
+                raise ApiError(400, message, "invalid_request_error", param="store")
+            conversation = translated(body.continued, earlier)
+            chat = chat_request(body, conversation)
+            call = call_spec(backend, chat, request, key, options, budget_field="max_output_tokens")
+            release = _with_slots(served, key, call, release)
+        except BaseException:
+            release()
+            raise
+        rid = response_id()
+        started = response_body(rid, body)
+        keep = store is not None and body.store is not False
+
+        def finish(last: CallChunk, output: list[dict[str, Any]]) -> dict[str, Any]:
+            answered = response_body(
+                rid, body, output=output, last=last, stored=keep, created_at=started["created_at"]
+            )
+            if keep and store is not None:
+                messages = [*conversation, assistant_message(last)]
+                answered["store"] = store.put(key.name, rid, messages, answered)
+            return answered
+
+        chunks = run_call(backend, call, allow_incomplete=True)
+        if not body.stream:
+            whole = await _whole(request, served, chunks, release)
+            if whole is None:
+                return Response(status_code=499)
+            return JSONResponse(finish(whole, output_items(whole, item_id("msg"))))
+        first = await _first(request, served, chunks, release)
+        if first is None:
+            return Response(status_code=499)
+        events = response_events(
+            started,
+            chain(first, chunks),
+            finish,
+            release,
+            lambda status, result: served.ended(request, status, result),
+        )
+        return EventSourceResponse(events, ping=15, send_timeout=30)
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(request: Request, rid: str) -> dict[str, Any]:
+        return _stored(store, authenticate(keys, request), rid).body
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete(request: Request, rid: str) -> dict[str, Any]:
+        key = authenticate(keys, request)
+        _stored(store, key, rid)
+        assert store is not None
+        store.delete(key.name, rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
+
+def _chained(
+    store: ResponseStore | None, key: ApiKey, body: ResponsesRequest
+) -> tuple[dict[str, Any], ...]:
+    """The conversation ``previous_response_id`` continues (none where it names none)."""
+    if body.previous_response_id is None:
+        return ()
+    if store is None:
+        message = "this server does not store responses, so none can be continued"
+        raise ApiError(400, message, "invalid_request_error", param="previous_response_id")
+    return _stored(store, key, body.previous_response_id, "previous_response_id").messages
+
+
+def _stored(
+    store: ResponseStore | None, key: ApiKey, rid: str, param: str | None = None
+) -> StoredResponse:
+    """``key``'s stored response ``rid``; 404 alike for one never made, expired, deleted or
+    another key's."""
+    found = store.get(key.name, rid) if store is not None else None
+    if found is None:
+        message = f"no response with id {rid!r} is stored for this key"
+        raise ApiError(404, message, "not_found_error", param=param, code="response_not_found")
+    return found
+
+
+def _admitted(request: Request, served: Served) -> tuple[ApiKey, Callable[[], None]]:
+    """A call's key and the release of its place in the key's limits, checked in this order:
+    draining, key, audit, media type, limits (an unauthenticated caller learns nothing about
+    what a valid request looks like; a limited key's megabyte is never read)."""
+    if served.draining:
+        raise ApiError(503, "the server is draining; retry on another replica", "unavailable")
+    key = authenticate(served.keys, request)
+    audit = served.options.audit
+    if served.options.audit_required and (audit is None or not audit.healthy):
+        message = "the audit store cannot record calls now, and this server needs a record"
+        raise ApiError(503, message, "unavailable", code="audit_unavailable")
+    # JSON only: a browser page may POST text/plain anywhere without asking first, never
+    # application/json (the cross-origin preflight stops it).
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        message = "the request body must be JSON (Content-Type: application/json)"
+        raise ApiError(415, message, "invalid_request_error", code="unsupported_media_type")
+    try:
+        return key, served.limits.acquire(key, default_concurrent=served.per_key)
+    except Limited as exc:
+        raise _limited(exc) from None
+
+
+def _with_slots(
+    served: Served, key: ApiKey, spec: CallSpec, release: Callable[[], None]
+) -> Callable[[], None]:
+    """``release``, and a reproducible slot taken for a call whose policy is reproducible."""
+    if not served.backend.policies[spec.call.policy or ""].reproducible:
+        return release
+    try:
+        return _with_reproducible_slot(served.limits, key, served.options, release)
+    except Limited as exc:
+        raise _limited(exc) from None
+
+
+async def _whole(
+    request: Request,
+    served: Served,
+    chunks: AsyncGenerator[CallChunk, None],
+    release: Callable[[], None],
+) -> CallChunk | None:
+    """A call run to its end for a JSON answer (its key's place released, its row recorded);
+    None where the client went away (the call was cancelled: nobody reads the answer)."""
+    try:
+        whole = await unless_disconnected(request, collect(chunks))
+    except SpecAgentError as exc:
+        raise as_api_error(exc) from None
+    finally:
+        release()
+        with anyio.CancelScope(shield=True):
+            await chunks.aclose()
+    if whole is None:
+        served.ended(request, 499)
+    elif whole.result is not None:
+        served.ended(request, 200, whole.result)
+    return whole
+
+
+async def _first(
+    request: Request,
+    served: Served,
+    chunks: AsyncGenerator[CallChunk, None],
+    release: Callable[[], None],
+) -> CallChunk | None:
+    """A streamed call's first chunk (admission and the queue may take a while: a client that
+    leaves meanwhile takes its call out of them); None where it left."""
+    try:
+        first = await unless_disconnected(request, first_chunk(chunks))
+    except BaseException:
+        release()
+        await chunks.aclose()
+        raise
+    if first is None:
+        release()
+        with anyio.CancelScope(shield=True):
+            await chunks.aclose()
+        served.ended(request, 499)
+    return first
 
 
 def _limited(exc: Limited) -> ApiError:

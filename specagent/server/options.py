@@ -1,5 +1,5 @@
 """``ServerOptions``: what a server enforces beside its keys (sizes, budgets, deadlines,
-concurrency, metrics, the dashboard, the audit store)."""
+concurrency, metrics, the dashboard, the audit store, stored responses)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,13 @@ class ServerOptions:
     """The names a request's ``Host`` header may give (None: any). ``specagent serve --no-auth``
     sets the loopback names and the address it listens on, so that a web page, or a DNS name
     rebound to the loopback, cannot drive a developer's open server from a browser."""
+    store_responses: bool = True
+    """Keep Responses API responses (``store``, the default there) for ``previous_response_id``
+    and ``GET /v1/responses/{id}``, in memory, each key's apart. False: a request that asks to
+    store or to continue one is refused (400)."""
+    responses_retention_s: float = 3600.0
+    """How long a stored response is kept."""
+    responses_max_bytes_per_key: int = 16 << 20
+    """What one key's stored responses may hold; its oldest make room for new ones."""
+    responses_max_bytes: int = 256 << 20
+    """What all keys' stored responses may hold together; the oldest anywhere go first."""

@@ -1,10 +1,13 @@
-"""Reading a chat request: its key, its body and the ``CallSpec`` it asks for (policy by
-precedence, the key's allowances, the tenant), and a key's default share of the slots."""
+"""Reading a call's request: its key, its body (a chat completion's, or a Responses API
+request's translated into one) and the ``CallSpec`` it asks for (policy by precedence, the key's
+allowances, the tenant), and a key's default share of the slots."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -14,9 +17,10 @@ from ..call import Call
 from ..calls import CallSpec, split_model
 from ..errors import ModelNotFoundError, PolicyNotFoundError
 from ..tenants import Tenant
-from .errors import ApiError, as_api_error
+from .errors import ApiError, as_api_error, param_of
 from .keys import ApiKey, KeyStore
 from .options import ServerOptions
+from .responses_wire import ResponsesRequest
 from .wire import ChatCompletionRequest, to_template_messages
 
 __all__ = [
@@ -30,10 +34,13 @@ __all__ = [
     "budget",
     "call_spec",
     "caller_of",
+    "chat_request",
     "default_per_key",
     "parse_body",
+    "parse_responses",
     "resolved_policy",
     "token_cap",
+    "translated",
     "unavailable_policy",
 ]
 
@@ -73,11 +80,62 @@ def parse_body(raw: bytes) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
-        text = f"{param}: {message}" if param else message
-        raise ApiError(422, text, "invalid_request_error", param) from None
+        raise _invalid(exc) from None
+
+
+def parse_responses(raw: bytes) -> ResponsesRequest:
+    """A Responses API request body, or 422 naming the first field that is wrong."""
+    try:
+        return ResponsesRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+RESPONSES_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+"""A chat request's fields by the Responses API's names, for the errors of a translated one."""
+
+
+def translated(
+    conversation: Callable[[Sequence[dict[str, Any]]], list[dict[str, Any]]],
+    earlier: Sequence[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """``conversation(earlier)``, a Responses request's input as chat messages; 422 naming
+    the input item that cannot be."""
+    try:
+        return conversation(earlier)
+    except ValueError as exc:
+        raise ApiError(422, str(exc), "invalid_request_error", param_of(str(exc))) from None
+
+
+def chat_request(
+    body: ResponsesRequest, conversation: Sequence[dict[str, Any]]
+) -> ChatCompletionRequest:
+    """The chat request a Responses request asks for, over ``conversation``; 422 naming the
+    Responses field where it is refused."""
+    try:
+        return ChatCompletionRequest.model_validate(body.chat_body(conversation))
+    except ValueError as exc:  # ValidationError is one
+        if isinstance(exc, ValidationError):
+            raise _invalid(exc, RESPONSES_NAMES) from None
+        raise ApiError(422, str(exc), "invalid_request_error", param_of(str(exc))) from None
+
+
+def _invalid(exc: ValidationError, names: Mapping[str, str] | None = None) -> ApiError:
+    """422 naming the first field ``exc`` refused (by ``names`` where it was translated)."""
+    first = exc.errors()[0]
+    location = [str(p) for p in first.get("loc", ())]
+    if names and location:
+        location[0] = names.get(location[0], location[0])
+        if location[0] == "input":
+            location = location[:1]  # the conversation's index is not the input's
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    text = f"{param}: {message}" if param else message
+    return ApiError(422, text, "invalid_request_error", param)
 
 
 def bearer(request: Request) -> str | None:
@@ -106,7 +164,10 @@ def call_spec(
     request: Request,
     key: ApiKey,
     options: ServerOptions,
+    budget_field: str = "max_tokens",
 ) -> CallSpec:
+    """The call ``body`` asks for, under the policy it names or routes to, allowed for ``key``
+    (``budget_field``: what the request calls its token budget, for its errors)."""
     metadata = body.metadata or {}
     policy = metadata.get(POLICY_METADATA_KEY) or request.headers.get(POLICY_HEADER)
     try:
@@ -136,7 +197,7 @@ def call_spec(
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
-            max_tokens=budget(body.budget, key, options),
+            max_tokens=budget(body.budget, key, options, budget_field),
             seed=body.seed,
             logprobs=body.logprob_alternatives,
             timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
@@ -178,7 +239,9 @@ def token_cap(key: ApiKey, options: ServerOptions) -> int:
     return key.max_tokens if key.max_tokens is not None else options.max_tokens
 
 
-def budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None:
+def budget(
+    asked: int | None, key: ApiKey, options: ServerOptions, field: str = "max_tokens"
+) -> int | None:
     """The call's ``max_tokens``: what it asked for, refused over the key's or the server's
     cap (a call that asks for none runs with its policy's default, cut to the cap where it is
     over: ``call_spec``)."""
@@ -186,8 +249,8 @@ def budget(asked: int | None, key: ApiKey, options: ServerOptions) -> int | None
     if asked is None:
         return None
     if asked > cap:
-        message = f"max_tokens {asked} is over this key's limit of {cap}"
-        raise ApiError(422, message, "invalid_request_error", param="max_tokens")
+        message = f"{field} {asked} is over this key's limit of {cap}"
+        raise ApiError(422, message, "invalid_request_error", param=field)
     return asked
 
 

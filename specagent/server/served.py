@@ -1,6 +1,6 @@
 """What every route of the app shares (``Served``): the backend, the keys, the options, the
-limits, the drain switch and the call log, and how a chat call that was answered is counted
-and recorded (``ended``)."""
+limits, the drain switch, the call log and the stored responses, and how a call that was
+answered is counted and recorded (``ended``)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,12 @@ from .keys import KeyStore
 from .limits import Limits
 from .options import ServerOptions
 from .requests import bearer, caller_of
+from .response_store import ResponseStore
 
-__all__ = ["Served"]
+__all__ = ["ENDPOINTS", "Served"]
+
+ENDPOINTS = {"/v1/chat/completions": "chat.completions", "/v1/responses": "responses"}
+"""The routes that run calls, by the name their audit rows give."""
 
 log = logging.getLogger("specagent.server")
 
@@ -34,16 +38,26 @@ class Served:
     calls: CallLog = field(default_factory=CallLog)
     draining: bool = False
     """New calls get 503; the calls in flight finish."""
+    responses: ResponseStore | None = None
+    """Stored Responses API responses (None: the server stores none)."""
+
+    def __post_init__(self) -> None:
+        if self.options.store_responses and self.responses is None:
+            self.responses = ResponseStore(
+                retention_s=self.options.responses_retention_s,
+                max_bytes_per_key=self.options.responses_max_bytes_per_key,
+                max_bytes=self.options.responses_max_bytes,
+            )
 
     def ended(
         self, request: Request, status: int, result: Any = None, error_id: str | None = None
     ) -> None:
-        """A chat call answered: counted on the dashboard under its key and its policy where
-        they were known and allowed (a refusal before that is filed under no policy), and its
-        row in the audit store (every call, ran or refused). A request refused before it showed
-        a valid key is only counted (per minute, address and status): whoever has no key
-        cannot write the audit store a row per request."""
-        if request.url.path != "/v1/chat/completions":
+        """A call answered (either endpoint's): counted on the dashboard under its key and its
+        policy where they were known and allowed (a refusal before that is filed under no
+        policy), and its row in the audit store (every call, ran or refused). A request refused
+        before it showed a valid key is only counted (per minute, address and status): whoever
+        has no key cannot write the audit store a row per request."""
+        if request.url.path not in ENDPOINTS:
             return
         caller = caller_of(request)
         if not caller.key_checked:
@@ -96,4 +110,5 @@ class Served:
             engine=self.backend.engine,
             model=self.backend.model_name,
             error_id=error_id,
+            endpoint=ENDPOINTS[request.url.path],
         )

@@ -2,7 +2,7 @@
 stream chunks as dicts, errors in OpenAI's error shape.
 
 The request model says which fields are accepted; a field the server cannot honour (``n > 1``,
-``logprobs``, penalties) is refused by name rather than ignored, so a client never believes it
+``logit_bias``, penalties) is refused by name rather than ignored, so a client never believes it
 got what it did not.
 """
 
@@ -31,6 +31,7 @@ from ..results import GenerationResult, Logprob, SpecStats
 
 __all__ = [
     "ChatCompletionRequest",
+    "assistant_message",
     "completion",
     "error_body",
     "stream_chunk",
@@ -320,14 +321,20 @@ def usage_body(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def completion(request_id: str, model: str, last: CallChunk) -> dict[str, Any]:
-    """The whole ``chat.completion`` object of a finished call."""
-    assert last.result is not None
+def assistant_message(last: CallChunk) -> dict[str, Any]:
+    """A finished call's output as a chat message: its text and tool calls."""
     message: dict[str, Any] = {"role": "assistant", "content": last.content or None}
     if last.tool_calls:
         message["tool_calls"] = _tool_calls(last.tool_calls)
     elif message["content"] is None:
         message["content"] = ""
+    return message
+
+
+def completion(request_id: str, model: str, last: CallChunk) -> dict[str, Any]:
+    """The whole ``chat.completion`` object of a finished call."""
+    assert last.result is not None
+    message = assistant_message(last)
     return {
         "id": request_id,
         "object": "chat.completion",
