@@ -49,6 +49,8 @@ def serve_command(args: argparse.Namespace) -> int:
             dashboard=args.dashboard,
             audit=audit,
             audit_required=args.audit_required,
+            store_responses=args.store_responses,
+            responses_retention_s=args.response_retention,
         ),
         ssl=tls,
         drain_seconds=args.drain_seconds,

@@ -72,6 +72,19 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         help="a directory of `specagent eval` HTML reports that /dashboard links to",
     )
     serve.add_argument(
+        "--no-response-store",
+        dest="store_responses",
+        action="store_false",
+        help="keep no Responses API responses (store and previous_response_id are refused)",
+    )
+    serve.add_argument(
+        "--response-retention",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long a stored Responses API response is kept, in memory",
+    )
+    serve.add_argument(
         "--no-dashboard",
         dest="dashboard",
         action="store_false",

@@ -62,9 +62,8 @@ class ResponseStore:
         if size > min(self.max_bytes_per_key, self.max_bytes):
             return False
         self._expire()
-        kept = self._by_key.setdefault(key, OrderedDict())
         while self._bytes.get(key, 0) + size > self.max_bytes_per_key:
-            self._drop(key, next(iter(kept)))
+            self._drop(key, next(iter(self._by_key[key])))
         while self.total_bytes + size > self.max_bytes:
             self._drop_oldest()
         kept = self._by_key.setdefault(key, OrderedDict())

@@ -73,6 +73,24 @@ def test_the_schema_is_created_versioned_and_refused_when_newer(sqlite_url) -> N
         AuditStore(sqlite_url)
 
 
+def test_a_version_2_store_gains_the_endpoint_column_and_keeps_its_rows(sqlite_url) -> None:
+    AuditStore(sqlite_url).close()
+    engine = create_engine(sqlite_url)
+    with engine.begin() as connection:  # the store as version 2 made it: no endpoint column
+        connection.execute(text("ALTER TABLE specagent_calls DROP COLUMN endpoint"))
+        connection.execute(VERSION.delete())
+        connection.execute(VERSION.insert().values(version=2))
+        old = {k: v for k, v in _row(policy="old").items() if k != "endpoint"}
+        connection.execute(CALLS.insert().values(**old))
+    assert migrate(engine) == 2
+    with engine.begin() as connection:
+        connection.execute(CALLS.insert().values(**_row(policy="new", endpoint="responses")))
+    rows = {r["policy"]: r for r in read_calls(engine, limit=None)}
+    assert rows["old"]["endpoint"] is None
+    assert rows["new"]["endpoint"] == "responses"
+    assert migrate(engine) == SCHEMA_VERSION
+
+
 def test_sdk_calls_are_recorded_however_they_end_and_never_their_text(
     target, tokenizer, sqlite_url, tmp_path
 ) -> None:
