@@ -13,6 +13,7 @@ __all__ = ["print_audit"]
 
 CALL_COLUMNS = (
     "at",
+    "endpoint",
     "key_name",
     "tenant",
     "policy",

@@ -202,6 +202,9 @@ def call_spec(
             logprobs=body.logprob_alternatives,
             timeout=key.timeout_s if key.timeout_s is not None else options.timeout_s,
             prediction=body.prediction,
+            # As ChatSpecAgent by default: a reply that only repeats answered tool calls is
+            # answered from their results (small models otherwise loop an agent forever).
+            repeat_guard=True,
         )
     except ValueError as exc:  # InvalidRequestError and message translation
         raise as_api_error(exc) from None
