@@ -75,7 +75,8 @@ class ResponseStore:
         """``key``'s response ``response_id``, or None (never made, expired, dropped, deleted,
         or another key's: the caller cannot tell which)."""
         self._expire()
-        return self._by_key.get(key, {}).get(response_id)
+        kept = self._by_key.get(key)
+        return kept.get(response_id) if kept is not None else None
 
     def delete(self, key: str, response_id: str) -> bool:
         if self.get(key, response_id) is None:

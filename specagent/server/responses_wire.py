@@ -87,7 +87,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
@@ -135,6 +135,8 @@ class ResponsesRequest(BaseModel):
     def _some_input(cls, value: str | list[dict[str, Any]]) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("at least one input item is needed")
+        if isinstance(value, list) and len(value) > MAX_MESSAGES:
+            raise ValueError(f"{len(value)} items; at most {MAX_MESSAGES} per call")
         return value
 
     @field_validator("include")

@@ -285,6 +285,7 @@ def test_another_key_cannot_read_chain_or_delete_a_response(live: Live) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"max_output_tokens": 5000}, "max_output_tokens"),
         ({"input": []}, "input"),
+        ({"input": [{"role": "user", "content": "x"}] * 2049}, "input"),
         ({"user": "a\x00b"}, "user"),
         ({"top_logprobs": 21}, "top_logprobs"),
     ],
@@ -307,6 +308,8 @@ def test_hostile_bodies_are_refused_and_honest_calls_go_on(live: Live) -> None:
     plain = {**headers, "Content-Type": "text/plain"}
     assert httpx.post(url, content=b"{}", headers=plain, timeout=30).status_code == 415
     assert post(live, {"model": "tiny", "input": "hi", "max_output_tokens": 2}).status_code == 200
+    long_text = {"model": "tiny", "input": "word " * 500, "max_output_tokens": 2}
+    assert post(live, long_text).status_code == 200  # a long string input is one message
 
 
 def test_a_stream_that_fails_midway_ends_in_an_error_event(live: Live) -> None:
@@ -362,3 +365,21 @@ def test_the_audit_row_names_the_endpoint(live: Live, key_file, tmp_path) -> Non
         ("responses", "422"),
     ]
     assert all("secret words" not in str(v) for r in rows for v in r.values())
+
+
+def test_a_key_flooding_the_store_drops_only_its_own(live: Live, key_file) -> None:
+    options = ServerOptions(responses_max_bytes_per_key=40_000)
+    app = create_app(live.runtime, KeyStore.load(key_file, env=""), options)
+    with serving(app) as url:
+        theirs = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["customer"], max_retries=0)
+        flood = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["full"], max_retries=0)
+        with theirs, flood:
+            kept = theirs.responses.create(model="tiny", input="mine", max_output_tokens=2)
+            ids = [
+                flood.responses.create(model="tiny", input="x" * 2000, max_output_tokens=2).id
+                for _ in range(40)
+            ]
+            assert theirs.responses.retrieve(kept.id).id == kept.id
+            assert flood.responses.retrieve(ids[-1]).id == ids[-1]
+            with pytest.raises(openai.NotFoundError):
+                flood.responses.retrieve(ids[0])  # its own oldest made room

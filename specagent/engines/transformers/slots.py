@@ -207,6 +207,7 @@ class SlotPool:
             while self._released:
                 self._in_use.discard(self._released.popleft())
 
+    @torch.inference_mode()  # the buffers are inference tensors once grown in a forward
     def fill(self, sequence: SlotSequence, source: Any, start: int = 0) -> None:
         """Write what ``source`` (an ordinary transformers cache) holds from position ``start``
         on into ``sequence``'s slot, which holds the positions before it (an empty slot: all
@@ -295,6 +296,7 @@ class SlotSequence:
             return copy.deepcopy(self.own)
         return self.pool.copy_of(self, self._length)
 
+    @torch.inference_mode()  # the buffers are inference tensors once grown in a forward
     def keep_path(self, start: int, path: list[int]) -> None:
         """After a token tree written from position ``start`` (its root), keep the root and
         the accepted ``path`` (nodes), moved to follow one another
@@ -311,6 +313,7 @@ class SlotSequence:
                     held[self.slot, :, start + 1 : start + 1 + len(rows)] = moved
         self.crop(start + 1 + len(rows))
 
+    @torch.inference_mode()  # the buffers are inference tensors once grown in a forward
     def __deepcopy__(self, memo: dict[int, Any]) -> SlotSequence:
         twin = self.pool.acquire() if self.own is None else None
         if twin is None:  # the pool is full (or this call left it): an ordinary copy

@@ -142,6 +142,28 @@ def test_a_call_that_outgrows_the_pool_continues(model) -> None:
     )
 
 
+def test_a_kept_prefix_is_adopted_and_copied_after_the_pool_grew_in_a_forward(model) -> None:
+    """The pool's buffers grow inside a forward (made under inference mode); adopting a kept
+    prefix, copying a slot and keeping a tree's path write them from the decoding loop, outside
+    it (a served call that reused a long prompt's prefix once failed here)."""
+    runner = ModelRunner(model, slots=True)
+    prompt = [(j * 7) % (VOCAB - 1) + 1 for j in range(600)]  # past the first 256 positions
+    sequence = runner.new_cache()
+    runner.forward(prompt, sequence, keep=1)
+    assert runner.slots is not None
+    assert runner.slots.capacity >= 600
+    assert not torch.is_inference_mode_enabled()
+    adopted = runner.adopt(sequence.kept_copy())
+    assert isinstance(adopted, SlotSequence)
+    copied = copy.deepcopy(sequence)
+    assert isinstance(copied, SlotSequence)
+    whole = runner.forward([*prompt, 50, 51], runner.new_cache())[-2:]
+    torch.testing.assert_close(runner.forward([50, 51], adopted), whole, **TOL)
+    torch.testing.assert_close(runner.forward([50, 51], copied), whole, **TOL)
+    runner.keep_path(sequence, len(prompt) - 1, [])
+    assert sequence.get_seq_length() == len(prompt)
+
+
 def test_a_full_pool_hands_out_ordinary_caches_and_mixed_batches_run(model) -> None:
     runner, plain = ModelRunner(model, slots=True), ModelRunner(model)
     assert runner.slots is not None
