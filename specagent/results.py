@@ -24,14 +24,18 @@ class Logprob:
     """The token alone, decoded (a piece of a character decodes to U+FFFD)."""
     logprob: float
     top: tuple[Logprob, ...] = ()
+    raw: bytes | None = None
+    """The token's own bytes (a piece of a character: its bytes alone, which joined with its
+    neighbours' spell the character); None where the tokenizer does not say (an added or
+    special token), and then ``text``'s UTF-8 stands for them."""
 
     def as_openai(self) -> dict[str, Any]:
-        """OpenAI's entry of ``choices[].logprobs.content`` (``bytes``: the UTF-8 of
-        ``text``)."""
+        """OpenAI's entry of ``choices[].logprobs.content``."""
         return {**self._entry(), "top_logprobs": [t._entry() for t in self.top]}
 
     def _entry(self) -> dict[str, Any]:
-        return {"token": self.text, "logprob": self.logprob, "bytes": list(self.text.encode())}
+        raw = self.raw if self.raw is not None else self.text.encode()
+        return {"token": self.text, "logprob": self.logprob, "bytes": list(raw)}
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from ..models import check_draft_compatible, resolve_device
 from ..policy import Policy, default_policy
 from ..results import GenerationResult, StreamChunk
 from ..telemetry import Telemetry
+from ..token_bytes import token_bytes_reader
 from ._admission import (
     Admission,
     PoliciesArg,
@@ -123,6 +124,7 @@ class SpecRuntime(Backend):
             worker=self._ensure_worker,
             decode_text=self._decode_text,
             engine=self.engine,
+            token_bytes=token_bytes_reader(tokenizer),
         )
         self._worker: Worker | None = None
         self._lock = threading.Lock()

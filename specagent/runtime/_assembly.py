@@ -35,19 +35,22 @@ class CallAssembler:
         started: float,
         decode_text: Callable[[Sequence[int]], str],
         streaming: bool = True,
+        token_bytes: Callable[[int], bytes | None] = lambda token: None,
     ) -> None:
         self.plan = plan
         self.started = started
         self.decode_text = decode_text
+        self.token_bytes = token_bytes
+        """A token's own bytes (``specagent.token_bytes``), for its log-probability's."""
         self.token_ids: list[int] = []
         self.logprobs: list[Logprob] | None = [] if plan.logprobs is not None else None
         """Every output token's, where the call asked for them (else None)."""
         self.step_logprobs: list[Logprob] | None = None
         """The last event's tokens' (for its chunk)."""
-        self.token_texts: dict[int, str] = {}
-        """Each token's text, decoded once per call: alternatives repeat from step to step,
-        and a call with 20 of them per token would otherwise decode 21 strings per token on
-        the caller's event loop."""
+        self.token_texts: dict[int, tuple[str, bytes | None]] = {}
+        """Each token's text and bytes, decoded once per call: alternatives repeat from step to
+        step, and a call with 20 of them per token would otherwise decode 21 strings per token
+        on the caller's event loop."""
         self.emitted = 0
         self.stops = StopStrings(plan.stop, decode_text) if plan.stop else None
         self.text = self.stops.text if self.stops else IncrementalText(decode_text)
@@ -116,22 +119,21 @@ class CallAssembler:
         """The decoding core's log-probabilities with each token's text."""
         if logprobs is None:
             return None
-        text = self._token_text
+
+        def entry(token: int, logprob: float, top: tuple[Logprob, ...] = ()) -> Logprob:
+            text, raw = self._token_text(token)
+            return Logprob(token, text, logprob, top, raw=raw)
+
         return [
-            Logprob(
-                each.token,
-                text(each.token),
-                each.logprob,
-                tuple(Logprob(t, text(t), v) for t, v in each.top),
-            )
+            entry(each.token, each.logprob, tuple(entry(t, v) for t, v in each.top))
             for each in logprobs
         ]
 
-    def _token_text(self, token: int) -> str:
-        text = self.token_texts.get(token)
-        if text is None:
-            text = self.token_texts[token] = self.decode_text([token])
-        return text
+    def _token_text(self, token: int) -> tuple[str, bytes | None]:
+        known = self.token_texts.get(token)
+        if known is None:
+            known = self.token_texts[token] = (self.decode_text([token]), self.token_bytes(token))
+        return known
 
     def _stats(
         self, counters: DecodeCounters, now: float, output_tokens: int, first: float | None

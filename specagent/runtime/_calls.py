@@ -46,6 +46,8 @@ class CallPath:
     """The runtime's worker, started if it is not running."""
     decode_text: Callable[[Sequence[int]], str]
     engine: str
+    token_bytes: Callable[[int], bytes | None]
+    """A token's own bytes, for log-probabilities (``specagent.token_bytes``)."""
 
     async def run(self, call: Call, streaming: bool) -> AsyncGenerator[StreamChunk, None]:
         """The call's chunks; ``streaming`` says whether the caller receives them as they come
@@ -82,7 +84,9 @@ class CallPath:
         try:
             started = time.perf_counter()  # before the worker can emit a token
             self.worker().submit(job)
-            assembler = CallAssembler(plan, started, self.decode_text, streaming)
+            assembler = CallAssembler(
+                plan, started, self.decode_text, streaming, token_bytes=self.token_bytes
+            )
             while True:
                 got = None
                 with anyio.move_on_after(deadline - anyio.current_time()):

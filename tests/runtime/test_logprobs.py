@@ -149,3 +149,23 @@ def test_each_tokens_text_is_decoded_once_per_call(runtime, monkeypatch) -> None
     assert set(singles) == seen
     # Decoded once each (a one-token output is decoded whole once more, at the end).
     assert len(singles) - len(seen) == (1 if len(result.token_ids) == 1 else 0)
+
+
+def test_each_tokens_bytes_spell_the_output_where_its_text_cannot(runtime, tokenizer) -> None:
+    """A token that is part of a character decodes alone to U+FFFD; its bytes (OpenAI's
+    ``bytes``) are its own, so the output's tokens' bytes joined are the output's UTF-8."""
+    result = runtime.generate_sync(
+        PROMPTS[0], policy="plain", max_new_tokens=48, temperature=0.0, logprobs=2
+    )
+    assert result.logprobs is not None
+    raw = b"".join(bytes(each.as_openai()["bytes"]) for each in result.logprobs)
+    assert raw.decode("utf-8", errors="replace") == result.text
+    partial = [each for each in result.logprobs if each.text == "\ufffd"]
+    assert partial, "the tiny model's output has no piece of a character to check"
+    assert all(each.raw is not None and each.raw != "\ufffd".encode() for each in partial)
+    for each in result.logprobs:  # each alternative's bytes decode to its text
+        for alternative in each.top:
+            assert alternative.raw is not None
+            assert alternative.raw.decode("utf-8", errors="replace") == tokenizer.decode(
+                [alternative.token_id]
+            )

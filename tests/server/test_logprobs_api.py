@@ -38,7 +38,10 @@ def test_served_logprobs_are_the_runtimes_whole_and_streamed(live: Live) -> None
     assert own.logprobs is not None
     expected = [(e.text, e.logprob, [(t.text, t.logprob) for t in e.top]) for e in own.logprobs]
     _same(_entries(content), expected)
-    assert all(e.bytes == list(e.token.encode()) for e in content)
+    # Each token's own bytes: joined, the answer's UTF-8 (a piece of a character included).
+    assert [e.bytes for e in content] == [e.as_openai()["bytes"] for e in own.logprobs]
+    joined = bytes(b for e in content for b in e.bytes)
+    assert joined.decode("utf-8", errors="replace") == reply.choices[0].message.content
 
     chunks = list(api.chat.completions.create(**ASK, logprobs=True, top_logprobs=2, stream=True))
     streamed = [
