@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP app over any ``Backend`` (a ``SpecRuntime``).
 
-Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models``,
+Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``POST /v1/responses``
+(OpenAI's Responses API, translated into the same call) with ``GET`` and ``DELETE
+/v1/responses/{id}`` for a key's stored responses, ``GET /v1/models``,
 ``GET /health`` (the process answers), ``GET /ready`` (models loaded, step costs measured, not
 draining), ``GET /metrics`` (Prometheus text from the runtime's OpenTelemetry instruments) and
 ``GET /dashboard`` with its data (``specagent.server.dashboard``: each policy's speed,
@@ -88,7 +90,7 @@ def create_app(backend: Backend, keys: KeyStore, options: ServerOptions | None =
 
 
 def _add_errors(app: FastAPI, served: Served) -> None:
-    """Every error as OpenAI's error object, each chat call's counted and recorded."""
+    """Every error as OpenAI's error object, each call's counted and recorded."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -249,9 +251,8 @@ def _add_responses(app: FastAPI, served: Served) -> None:
     @app.delete("/v1/responses/{rid}")
     async def delete(request: Request, rid: str) -> dict[str, Any]:
         key = authenticate(keys, request)
-        _stored(store, key, rid)
-        assert store is not None
-        store.delete(key.name, rid)
+        if store is None or not store.delete(key.name, rid):
+            raise _not_stored(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
 
@@ -274,9 +275,13 @@ def _stored(
     another key's."""
     found = store.get(key.name, rid) if store is not None else None
     if found is None:
-        message = f"no response with id {rid!r} is stored for this key"
-        raise ApiError(404, message, "not_found_error", param=param, code="response_not_found")
+        raise _not_stored(rid, param)
     return found
+
+
+def _not_stored(rid: str, param: str | None = None) -> ApiError:
+    message = f"no response with id {rid!r} is stored for this key"
+    return ApiError(404, message, "not_found_error", param=param, code="response_not_found")
 
 
 def _admitted(request: Request, served: Served) -> tuple[ApiKey, Callable[[], None]]:

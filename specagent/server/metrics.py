@@ -21,6 +21,7 @@ __all__ = ["HttpMetrics", "observe_activity", "prometheus_metrics"]
 
 ROUTES = (
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/models",
     "/health",
     "/ready",
@@ -92,6 +93,8 @@ class HttpMetrics:
             route = path if path in ROUTES else "other"
             if path.startswith("/dashboard/reports/"):
                 route = "/dashboard/reports/{name}"
+            elif path.startswith("/v1/responses/"):  # one series for every stored id
+                route = "/v1/responses/{id}"
             method = scope.get("method", "")
             attributes: dict[str, Any] = {
                 # OpenTelemetry's convention: a method outside the known set is "_OTHER", so

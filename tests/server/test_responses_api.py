@@ -383,3 +383,28 @@ def test_a_key_flooding_the_store_drops_only_its_own(live: Live, key_file) -> No
             assert flood.responses.retrieve(ids[-1]).id == ids[-1]
             with pytest.raises(openai.NotFoundError):
                 flood.responses.retrieve(ids[0])  # its own oldest made room
+
+
+def test_the_metrics_count_responses_calls_and_every_stored_id_as_one_route(live: Live) -> None:
+    full = {"Authorization": f"Bearer {KEYS['full']}"}
+    for n in range(30):  # a scan of ids: one series, not thirty
+        assert httpx.get(f"{live.base_url}/responses/resp_{n}", headers=full).status_code == 404
+    client(live).responses.create(model="tiny:customer-reply", input="x", max_output_tokens=2)
+    text = httpx.get(f"{live.url}/metrics", headers=full, timeout=30).text
+    counts = [
+        line
+        for line in text.splitlines()
+        if line.startswith("http_server_request_duration_seconds_count{")
+    ]
+    stored = [
+        line
+        for line in counts
+        if 'http_route="/v1/responses/{id}"' in line
+        and 'http_request_method="GET"' in line
+        and 'http_response_status_code="404"' in line
+    ]
+    assert len(stored) == 1
+    assert float(stored[0].rsplit(" ", 1)[1]) >= 30
+    assert not any("resp_" in line for line in counts)
+    served = [line for line in counts if 'http_route="/v1/responses"' in line]
+    assert any('specagent_policy="customer-reply"' in line for line in served)
