@@ -73,6 +73,9 @@ class CallSpec:
     """A reply that only repeats tool calls the conversation already made and answered (same
     tool, same arguments) is replaced by an answer from those results (``ANSWER_AFTER_TOOLS``,
     no tools): small models shown a tool result often call the same tool again, forever."""
+    one_tool_call: bool = False
+    """At most one tool call per reply (OpenAI's ``parallel_tool_calls: false``): a reply that
+    made several keeps its first."""
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -107,6 +110,7 @@ class CallSpec:
         describe_format: bool = True,
         repeat_guard: bool = False,
         prediction: Any = None,
+        parallel_tool_calls: bool | None = None,
     ) -> CallSpec:
         """Validate and translate. The policy is not chosen here: ``policy``, ``tags`` and the
         front door's ``default_policy`` go on the ``Call``, and whoever admits it chooses by
@@ -123,6 +127,9 @@ class CallSpec:
         to the model (``format_instruction``, in the system message): the grammar makes the
         output valid, the instruction makes it the answer (a small model constrained to a
         schema it was never shown fills its first string with anything).
+
+        ``parallel_tool_calls``: False, at most one tool call per reply (None and True: as
+        many as the model makes).
 
         ``prediction``: OpenAI's predicted output (``{"type": "content", "content": ...}``, or
         the text itself; ``predicted_content``)."""
@@ -159,6 +166,7 @@ class CallSpec:
             call,
             forced_tool=constraint is not None and offered is not None,
             repeat_guard=repeat_guard and offered is not None and constraint is None,
+            one_tool_call=parallel_tool_calls is False,
         )
 
 
@@ -386,6 +394,8 @@ def _last_chunk(
         parsed = parse_tool_calls(content, spec.tool_names or [])
         if parsed.tool_calls:
             content, tool_calls = parsed.content, tuple(parsed.tool_calls)
+            if spec.one_tool_call:
+                tool_calls = tool_calls[:1]
     return CallChunk(
         result=result,
         content=content,

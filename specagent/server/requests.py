@@ -205,6 +205,7 @@ def call_spec(
             # As ChatSpecAgent by default: a reply that only repeats answered tool calls is
             # answered from their results (small models otherwise loop an agent forever).
             repeat_guard=True,
+            parallel_tool_calls=body.parallel_tool_calls,
         )
     except ValueError as exc:  # InvalidRequestError and message translation
         raise as_api_error(exc) from None

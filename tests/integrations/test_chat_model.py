@@ -191,6 +191,9 @@ def test_required_tool_call_is_valid_even_from_a_random_model(chat) -> None:
     assert named.tool_calls[0]["name"] == "get_time"
     with pytest.raises(ValueError, match="not one of the bound tools"):
         chat.bind_tools([add], tool_choice="missing")
+    # ChatOpenAI's parallel_tool_calls is taken, not refused as an unknown argument.
+    single = chat.bind_tools([add, get_time], tool_choice="any", parallel_tool_calls=False)
+    assert len(single.invoke(MESSAGES, seed=0, temperature=1.0, max_tokens=200).tool_calls) == 1
 
 
 def test_tool_message_history_is_rendered(chat, runtime, tokenizer) -> None:

@@ -4,6 +4,8 @@ the backend protocol that front doors depend on."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -19,6 +21,7 @@ from specagent.decoding import registry
 from specagent.decoding.drafters import PromptLookupDrafter
 from specagent.decoding.drafters.prompt_lookup import NgramFields
 from specagent.decoding.schedule import FixedSchedule
+from specagent.grammar import Constraint
 from specagent.results import StreamChunk
 from specagent.runtime.memory import costs as costs_module
 
@@ -222,6 +225,31 @@ async def test_run_call_forces_and_parses_a_tool_call(target, tokenizer) -> None
     assert last.finish_reason == "tool_calls"
     assert [c.name for c in last.tool_calls] == ["lookup_order"]
     assert isinstance(last.tool_calls[0].arguments["order_id"], str)
+    await runtime.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("parallel", [None, False])
+async def test_parallel_tool_calls_false_keeps_the_first_call(target, tokenizer, parallel) -> None:
+    """A reply that makes two calls (here the grammar makes the tiny model write them) keeps
+    both, or with ``parallel_tool_calls=False`` its first."""
+    runtime = SpecRuntime(target, tokenizer=tokenizer, policies=[LOOKUP], device="cpu")
+    one = '{"name": "lookup_order", "arguments": {"order_id": "%s"}}'
+    written = "[" + one % "A-1" + ", " + one % "B-2" + "]"
+    spec = CallSpec.build(
+        [{"role": "user", "content": "Where are orders A-1 and B-2?"}],
+        tools=TOOLS,
+        max_tokens=200,
+        policy="lookup",
+        parallel_tool_calls=parallel,
+    )
+    forced = Constraint.lark("start: " + json.dumps(written))
+    spec = dataclasses.replace(spec, call=dataclasses.replace(spec.call, constraint=forced))
+    chunks = [chunk async for chunk in run_call(runtime, spec)]
+    last = chunks[-1]
+    orders = [c.arguments["order_id"] for c in last.tool_calls]
+    assert orders == (["A-1", "B-2"] if parallel is None else ["A-1"])
+    assert last.finish_reason == "tool_calls"
     await runtime.aclose()
 
 

@@ -282,7 +282,8 @@ class ChatSpecAgent(BaseChatModel):
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (anything LangChain converts to an OpenAI tool). ``tool_choice``: "auto"
-        (default), "none", "any"/"required"/True (some tool must be called), or a tool name."""
+        (default), "none", "any"/"required"/True (some tool must be called), or a tool name;
+        ``parallel_tool_calls=False``: at most one call per reply, as ``ChatOpenAI`` takes it."""
         formatted = [convert_to_openai_tool(tool) for tool in tools]
         # Checked now, so a wrong name fails where it was written, not at the first call.
         tool_choice = tool_choice_name(tool_choice, [t["function"]["name"] for t in formatted])
@@ -387,6 +388,7 @@ class ChatSpecAgent(BaseChatModel):
             answer_guard=self.guard_answers,
             repeat_guard=self.guard_answers,
             prediction=kwargs.pop("prediction", None),
+            parallel_tool_calls=kwargs.pop("parallel_tool_calls", None),
         )
         if kwargs:
             raise TypeError(f"ChatSpecAgent got unexpected call arguments: {sorted(kwargs)}")
