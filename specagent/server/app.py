@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions`` (JSON or server-sent events), ``POST /v1/responses``
 (OpenAI's Responses API, translated into the same call) with ``GET`` and ``DELETE
-/v1/responses/{id}`` for a key's stored responses, ``GET /v1/models``,
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` for a key's stored responses,
+``GET /v1/models``,
 ``GET /health`` (the process answers), ``GET /ready`` (models loaded, step costs measured, not
 draining), ``GET /metrics`` (Prometheus text from the runtime's OpenTelemetry instruments) and
 ``GET /dashboard`` with its data (``specagent.server.dashboard``: each policy's speed,
@@ -33,7 +34,7 @@ from ..backend import Backend
 from ..calls import CallChunk, CallSpec, run_call
 from ..errors import SpecAgentError
 from .dashboard_routes import add_dashboard_routes
-from .errors import ApiError, as_api_error
+from .errors import ApiError, as_api_error, param_of
 from .keys import ApiKey, KeyStore
 from .limits import Limited, Limits
 from .metrics import HttpMetrics, observe_activity, observe_audit
@@ -51,7 +52,14 @@ from .requests import (
 )
 from .response_store import ResponseStore, StoredResponse
 from .responses_stream import response_events
-from .responses_wire import ResponsesRequest, item_id, output_items, response_body, response_id
+from .responses_wire import (
+    ResponsesRequest,
+    item_id,
+    items_page,
+    output_items,
+    response_body,
+    response_id,
+)
 from .served import Served
 from .streaming import chain, collect, first_chunk, sse, unless_disconnected
 from .wire import assistant_message, completion, completion_id
@@ -223,7 +231,7 @@ def _add_responses(app: FastAPI, served: Served) -> None:
             )
             if keep and store is not None:
                 messages = [*conversation, assistant_message(last)]
-                answered["store"] = store.put(key.name, rid, messages, answered)
+                answered["store"] = store.put(key.name, rid, messages, answered, body.input_items())
             return answered
 
         chunks = run_call(backend, call, allow_incomplete=True)
@@ -247,6 +255,14 @@ def _add_responses(app: FastAPI, served: Served) -> None:
     @app.get("/v1/responses/{rid}")
     async def retrieve(request: Request, rid: str) -> dict[str, Any]:
         return _stored(store, authenticate(keys, request), rid).body
+
+    @app.get("/v1/responses/{rid}/input_items")
+    async def input_items(request: Request, rid: str) -> dict[str, Any]:
+        stored = _stored(store, authenticate(keys, request), rid)
+        try:
+            return items_page(stored.input_items, request.query_params)
+        except ValueError as exc:
+            raise ApiError(422, str(exc), "invalid_request_error", param_of(str(exc))) from None
 
     @app.delete("/v1/responses/{rid}")
     async def delete(request: Request, rid: str) -> dict[str, Any]:

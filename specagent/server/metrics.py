@@ -94,7 +94,8 @@ class HttpMetrics:
             if path.startswith("/dashboard/reports/"):
                 route = "/dashboard/reports/{name}"
             elif path.startswith("/v1/responses/"):  # one series for every stored id
-                route = "/v1/responses/{id}"
+                listed = path.endswith("/input_items")
+                route = "/v1/responses/{id}/input_items" if listed else "/v1/responses/{id}"
             method = scope.get("method", "")
             attributes: dict[str, Any] = {
                 # OpenTelemetry's convention: a method outside the known set is "_OTHER", so

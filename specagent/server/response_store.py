@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,8 @@ class StoredResponse:
     """The conversation up to and including this response's output, as chat messages."""
     body: dict[str, Any]
     size: int
+    input_items: tuple[dict[str, Any], ...] = ()
+    """Its own input as the Responses API lists it back (not the earlier responses')."""
 
 
 @dataclass
@@ -55,10 +57,15 @@ class ResponseStore:
         return sum(self._bytes.values())
 
     def put(
-        self, key: str, response_id: str, messages: list[dict[str, Any]], body: dict[str, Any]
+        self,
+        key: str,
+        response_id: str,
+        messages: list[dict[str, Any]],
+        body: dict[str, Any],
+        input_items: Sequence[dict[str, Any]] = (),
     ) -> bool:
         """Keep ``key``'s response; False where it alone is over the key's bound (not kept)."""
-        size = ENTRY_OVERHEAD + len(json.dumps(messages)) + len(json.dumps(body))
+        size = ENTRY_OVERHEAD + sum(len(json.dumps(x)) for x in (messages, body, input_items))
         if size > min(self.max_bytes_per_key, self.max_bytes):
             return False
         self._expire()
@@ -67,7 +74,9 @@ class ResponseStore:
         while self.total_bytes + size > self.max_bytes:
             self._drop_oldest()
         kept = self._by_key.setdefault(key, OrderedDict())
-        kept[response_id] = StoredResponse(key, self.clock(), tuple(messages), body, size)
+        kept[response_id] = StoredResponse(
+            key, self.clock(), tuple(messages), body, size, tuple(input_items)
+        )
         self._bytes[key] = self._bytes.get(key, 0) + size
         return True
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -27,6 +27,7 @@ __all__ = [
     "LOGPROBS_INCLUDE",
     "ResponsesRequest",
     "function_call_item",
+    "items_page",
     "message_item",
     "output_items",
     "response_body",
@@ -217,6 +218,46 @@ class ResponsesRequest(BaseModel):
         for message in out:
             message.pop("_closed", None)
         return out
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """``input`` as the Responses API lists it back (``GET /v1/responses/{id}/input_items``):
+        each item in its own shape, with an id of this server's. For input ``input_messages``
+        accepted."""
+        if isinstance(self.input, str):
+            return [_listed_message("user", self.input)]
+        out: list[dict[str, Any]] = []
+        for item in self.input:
+            kind = item.get("type", "message")
+            if kind == "message":
+                out.append(_listed_message(item["role"], _message(item, "input")["content"]))
+            elif kind == "function_call":
+                fields = {k: item[k] for k in ("call_id", "name", "arguments")}
+                out.append({"type": kind, "id": item_id("fc"), **fields, "status": "completed"})
+            else:
+                output = _tool_result(item, "input")["content"]
+                out.append(
+                    {
+                        "type": kind,
+                        "id": item_id("fco"),
+                        "call_id": item["call_id"],
+                        "output": output,
+                        "status": "completed",
+                    }
+                )
+        return out
+
+
+def _listed_message(role: str, text: str) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "input_text", "text": text}
+    if role == "assistant":
+        part = {"type": "output_text", "text": text, "annotations": []}
+    return {
+        "type": "message",
+        "id": item_id("msg"),
+        "role": role,
+        "content": [part],
+        "status": "completed",
+    }
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
@@ -426,3 +467,37 @@ def response_body(
         body["completed_at"] = int(time.time())
         body["speculative_decoding_stats"] = speculative_stats(result.stats)
     return body
+
+
+MAX_PAGE = 100
+"""The most input items one page lists (OpenAI's bound)."""
+
+
+def items_page(items: Sequence[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of a stored response's input items as OpenAI's list object: ``limit`` (1 to
+    100, default 20), ``order`` (``desc``, the default: newest first, or ``asc``) and ``after``
+    (an item id: the page starts past it). ``ValueError`` names the parameter that is wrong."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise ValueError("limit: must be an integer") from None
+    if not 1 <= limit <= MAX_PAGE:
+        raise ValueError(f"limit: must be between 1 and {MAX_PAGE}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ValueError("order: must be 'asc' or 'desc'")
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise ValueError(f"after: no input item {after!r} in this response")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }

@@ -408,3 +408,49 @@ def test_the_metrics_count_responses_calls_and_every_stored_id_as_one_route(live
     assert not any("resp_" in line for line in counts)
     served = [line for line in counts if 'http_route="/v1/responses"' in line]
     assert any('specagent_policy="customer-reply"' in line for line in served)
+
+
+def test_a_stored_responses_input_items_are_listed_back(live: Live) -> None:
+    items = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Rain."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]},
+    ]
+    response = client(live).responses.create(
+        model="tiny", input=items, tools=[WEATHER_TOOL], max_output_tokens=2
+    )
+    listed = client(live).responses.input_items.list(response.id)
+    assert [item.type for item in listed.data] == [
+        "message",
+        "message",
+        "function_call_output",
+        "function_call",
+        "message",
+    ]  # newest first, as OpenAI lists them
+    assert listed.data[0].content[0].text == "And tomorrow?"
+    assert listed.data[1].role == "assistant"
+    assert listed.data[2].output == "rain"
+    assert listed.data[3].name == "get_weather"
+    assert len({item.id for item in listed.data}) == 5
+    page = client(live).responses.input_items.list(response.id, order="asc", limit=2)
+    assert [item.type for item in page.data] == ["message", "function_call"]
+    assert page.has_more
+    rest = client(live).responses.input_items.list(response.id, order="asc", after=page.data[-1].id)
+    assert [item.type for item in rest.data] == ["function_call_output", "message", "message"]
+    assert not rest.has_more
+    # A plain string input is one user message; the earlier responses' items are not listed.
+    chained = client(live).responses.create(
+        model="tiny", previous_response_id=response.id, input="More", max_output_tokens=2
+    )
+    [only] = client(live).responses.input_items.list(chained.id).data
+    assert (only.role, only.content[0].text) == ("user", "More")
+    with pytest.raises(openai.NotFoundError):
+        client(live, "customer").responses.input_items.list(response.id)
+    headers = {"Authorization": f"Bearer {KEYS['full']}"}
+    for query, param in (("limit=0", "limit"), ("limit=x", "limit"), ("order=up", "order")):
+        url = f"{live.base_url}/responses/{response.id}/input_items?{query}"
+        refused = httpx.get(url, headers=headers, timeout=30)
+        assert refused.status_code == 422
+        assert refused.json()["error"]["param"] == param
