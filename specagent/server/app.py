@@ -41,6 +41,7 @@ from .metrics import HttpMetrics, observe_activity, observe_audit
 from .middleware import BodyLimit
 from .options import ServerOptions
 from .requests import (
+    RESPONSES_NAMES,
     authenticate,
     bearer,
     call_spec,
@@ -235,12 +236,16 @@ def _add_responses(app: FastAPI, served: Served) -> None:
             return answered
 
         chunks = run_call(backend, call, allow_incomplete=True)
-        if not body.stream:
-            whole = await _whole(request, served, chunks, release)
-            if whole is None:
-                return Response(status_code=499)
-            return JSONResponse(finish(whole, output_items(whole, item_id("msg"))))
-        first = await _first(request, served, chunks, release)
+        try:
+            if not body.stream:
+                whole = await _whole(request, served, chunks, release)
+                if whole is None:
+                    return Response(status_code=499)
+                return JSONResponse(finish(whole, output_items(whole, item_id("msg"))))
+            first = await _first(request, served, chunks, release)
+        except ApiError as exc:  # a prompt too long names the input, not the chat messages
+            exc.param = RESPONSES_NAMES.get(exc.param or "", exc.param)
+            raise
         if first is None:
             return Response(status_code=499)
         events = response_events(

@@ -298,6 +298,13 @@ def test_unsupported_fields_are_refused_by_name(live: Live, extra: dict, param: 
     assert error["message"].startswith(param)
 
 
+def test_a_prompt_past_the_context_names_the_input(live: Live) -> None:
+    reply = post(live, {"model": "tiny", "input": "word " * 6000, "max_output_tokens": 2})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "input"
+    assert reply.json()["error"]["code"] == "context_length_exceeded"
+
+
 def test_hostile_bodies_are_refused_and_honest_calls_go_on(live: Live) -> None:
     headers = {"Authorization": f"Bearer {KEYS['full']}", "Content-Type": "application/json"}
     url = f"{live.base_url}/responses"
