@@ -1,5 +1,6 @@
 """langchain-openai's ``ChatOpenAI`` pointed at a live specagent server: invoke, stream,
-bind_tools and with_structured_output, as an app in another process would use it."""
+bind_tools and with_structured_output, as an app in another process would use it; and the
+same over the Responses API (``use_responses_api=True``)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,26 @@ def test_a_prediction_through_chat_openai(live: Live) -> None:
     assert again.content == message.content
     details = again.response_metadata["token_usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0
+
+
+def test_chat_openai_on_the_responses_api_invokes_streams_and_calls_tools(live: Live) -> None:
+    model = chat(live, temperature=0, max_tokens=12, use_responses_api=True)
+    message = model.invoke("Hello world")
+    assert message.text
+    assert message.usage_metadata["output_tokens"] == 12
+    streamed = list(model.stream("Hello world"))
+    assert "".join(chunk.text for chunk in streamed) == message.text
+    tools = chat(
+        live, temperature=1.0, max_tokens=80, extra_body={"seed": 2}, use_responses_api=True
+    )
+    for stream in (False, True):
+        bound = tools.bind_tools([get_weather], tool_choice="get_weather")
+        if stream:
+            total = None
+            for piece in bound.stream("Weather in Oslo?"):
+                total = piece if total is None else total + piece
+            called = total
+        else:
+            called = bound.invoke("Weather in Oslo?")
+        assert called.tool_calls[0]["name"] == "get_weather"
+        assert isinstance(called.tool_calls[0]["args"]["city"], str)
