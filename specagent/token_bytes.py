@@ -29,11 +29,12 @@ def byte_level_table() -> dict[str, int]:
 def _decoder_kinds(tokenizer: Any) -> set[str]:
     """The kinds of the decoders a fast tokenizer declares (nested sequences flattened)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
         return set()
-    try:
-        declared = json.loads(backend.to_str()).get("decoder")
-    except (ValueError, AttributeError):
+    try:  # the decoder's own JSON (the whole tokenizer's would take half a second to write)
+        declared = json.loads(decoder.__getstate__())
+    except (ValueError, TypeError, AttributeError):
         return set()
     kinds: set[str] = set()
     pending = [declared]
