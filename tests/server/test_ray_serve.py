@@ -125,6 +125,26 @@ def test_replicas_answer_as_one_runtime_would(cluster: dict) -> None:
     assert pinned.model_extra["speculative_decoding_stats"]["policy"] == "legal-drafting"
 
 
+def test_the_responses_api_through_the_ingress_stores_and_chains(cluster: dict) -> None:
+    """``/v1/responses`` runs on the replicas as a chat call does; the ingress keeps the
+    stored responses, so a chain continues whichever replica serves it."""
+    client = api(cluster)
+    first = client.responses.create(
+        model="tiny", input=PROMPTS[0][-1]["content"], max_output_tokens=6, temperature=0
+    )
+    alone = cluster["alone"].generate_sync(PROMPTS[0][-1:], max_new_tokens=6, temperature=0)
+    assert first.output_text == alone.text
+    second = client.responses.create(
+        model="tiny", previous_response_id=first.id, input="More", max_output_tokens=4
+    )
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(
+            base_url=cluster["url"], api_key=KEYS["customer"], max_retries=0
+        ).responses.retrieve(first.id)
+
+
 def test_replicas_take_calls_from_the_ingress_only(cluster: dict) -> None:
     """Any Ray client can get a replica's handle: without the application's token it cannot
     run a call (which would skip keys, limits and tenants)."""
