@@ -4,9 +4,10 @@
     python benchmarks/server_load.py --calls 100 --clients 64
 
 1. Overhead: the same greedy calls (one token each by default, so the server's share shows)
-   through ``runtime.generate`` in-process and through ``POST /v1/chat/completions`` on a
-   localhost server (one keep-alive HTTP client), interleaved call by call; the median of the
-   paired differences is what the server adds to a call.
+   through ``runtime.generate`` in-process, through ``POST /v1/chat/completions`` and through
+   ``POST /v1/responses`` (stored) on a localhost server (one keep-alive HTTP client),
+   interleaved call by call; the median of the paired differences is what the server adds to a
+   call, and what the Responses API adds beside chat completions.
 2. Concurrency: ``--clients`` streaming clients at once (SSE), each client's time to first
    content chunk (p50/p95) and the wall time, and whether every response equals the same call
    alone (greedy). Only localhost traffic; every loop is bounded.
@@ -110,8 +111,10 @@ def start_server(
 
 
 async def overhead(runtime: SpecRuntime, url: str, calls: int, tokens: int) -> dict[str, Any]:
+    """The same call in-process, through chat completions and through the Responses API
+    (stored, as by default), interleaved call by call; the medians of the paired differences."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    local, remote = [], []
+    local, chat, responses = [], [], []
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
         for i in range(calls + 3):
             prompt = messages(i)
@@ -128,20 +131,38 @@ async def overhead(runtime: SpecRuntime, url: str, calls: int, tokens: int) -> d
                     "temperature": 0,
                 },
             )
-            remote_s = time.perf_counter() - start
+            chat_s = time.perf_counter() - start
             assert response.status_code == 200, response.text
             assert response.json()["choices"][0]["message"]["content"] == result.text
-            if i >= 3:  # the first calls warm both paths up
+            start = time.perf_counter()
+            response = await client.post(
+                "/v1/responses",
+                json={
+                    "model": runtime.model_name,
+                    "input": prompt,
+                    "max_output_tokens": tokens,
+                    "temperature": 0,
+                },
+            )
+            responses_s = time.perf_counter() - start
+            assert response.status_code == 200, response.text
+            assert response.json()["output"][0]["content"][0]["text"] == result.text
+            if i >= 3:  # the first calls warm every path up
                 local.append(local_s)
-                remote.append(remote_s)
-    paired = [r - loc for r, loc in zip(remote, local, strict=True)]
+                chat.append(chat_s)
+                responses.append(responses_s)
+    paired = [r - loc for r, loc in zip(chat, local, strict=True)]
+    translated = [r - c for r, c in zip(responses, chat, strict=True)]
     return {
         "calls": calls,
         "max_tokens": tokens,
         "in_process_median_ms": 1000 * statistics.median(local),
-        "http_median_ms": 1000 * statistics.median(remote),
+        "http_median_ms": 1000 * statistics.median(chat),
         "overhead_median_ms": 1000 * statistics.median(paired),
         "overhead_p95_ms": 1000 * percentile(paired, 0.95),
+        "responses_http_median_ms": 1000 * statistics.median(responses),
+        "responses_minus_chat_median_ms": 1000 * statistics.median(translated),
+        "responses_minus_chat_p95_ms": 1000 * percentile(translated, 0.95),
     }
 
 
