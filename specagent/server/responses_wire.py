@@ -27,6 +27,7 @@ __all__ = [
     "LOGPROBS_INCLUDE",
     "ResponsesRequest",
     "function_call_item",
+    "item_id",
     "items_page",
     "message_item",
     "output_items",
