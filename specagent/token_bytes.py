@@ -53,15 +53,21 @@ def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes | None]:
     kinds = _decoder_kinds(tokenizer)
     if not kinds or tokenizer is None:
         return lambda token: None
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    skipped = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    skipped |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
     pieces: Callable[[int], Any] = tokenizer.convert_ids_to_tokens
+
+    def piece_of(token: int) -> str | None:
+        """The token's piece as the tokenizer writes it; None for an added or special one."""
+        piece = None if token in skipped else pieces(token)
+        return piece if isinstance(piece, str) else None
+
     if "ByteLevel" in kinds:
         table = byte_level_table()
 
         def byte_level(token: int) -> bytes | None:
-            piece = pieces(token) if token not in special and token not in added else None
-            if not isinstance(piece, str) or any(c not in table for c in piece):
+            piece = piece_of(token)
+            if piece is None or any(c not in table for c in piece):
                 return None
             return bytes(table[c] for c in piece)
 
@@ -69,8 +75,8 @@ def token_bytes_reader(tokenizer: Any) -> Callable[[int], bytes | None]:
     if "ByteFallback" in kinds:
 
         def byte_fallback(token: int) -> bytes | None:
-            piece = pieces(token) if token not in special and token not in added else None
-            if not isinstance(piece, str):
+            piece = piece_of(token)
+            if piece is None:
                 return None
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 try:

@@ -21,7 +21,7 @@ from ..calls import CallChunk
 from ..chat import ToolCall
 from ..policy.sampling import MaxNewTokens, Seed, Temperature, TopK, TopLogprobs, TopP
 from ..results import GenerationResult, Logprob
-from .wire import MAX_MESSAGES, MAX_TOOLS, speculative_stats
+from .wire import MAX_MESSAGES, MAX_TOOLS, printable, speculative_stats
 
 __all__ = [
     "LOGPROBS_INCLUDE",
@@ -152,9 +152,7 @@ class ResponsesRequest(BaseModel):
     @field_validator("user", "safety_identifier")
     @classmethod
     def _printable(cls, value: str | None) -> str | None:
-        if value is not None and not value.isprintable():
-            raise ValueError("must be printable characters (no NUL or other control characters)")
-        return value
+        return printable(value)
 
     @property
     def wants_logprobs(self) -> bool:

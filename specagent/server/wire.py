@@ -34,6 +34,7 @@ __all__ = [
     "assistant_message",
     "completion",
     "error_body",
+    "printable",
     "stream_chunk",
     "to_template_messages",
     "usage_body",
@@ -161,10 +162,7 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("user")
     @classmethod
     def _printable_user(cls, value: str | None) -> str | None:
-        # It becomes the call's sub-tenant: spans, audit rows and logs name it.
-        if value is not None and not value.isprintable():
-            raise ValueError("must be printable characters (no NUL or other control characters)")
-        return value
+        return printable(value)
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -227,6 +225,14 @@ class ChatCompletionRequest(BaseModel):
     def logprob_alternatives(self) -> int | None:
         """``Call.logprobs``: alternatives per token where log-probabilities are asked for."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def printable(value: str | None) -> str | None:
+    """``value``, refused where it holds a control character: a caller's ``user`` becomes its
+    call's sub-tenant, and spans, audit rows and logs name it."""
+    if value is not None and not value.isprintable():
+        raise ValueError("must be printable characters (no NUL or other control characters)")
+    return value
 
 
 def to_template_messages(messages: list[Message]) -> list[dict[str, Any]]:
