@@ -13,9 +13,13 @@ source's span is learned as a substitution (``margin`` -> ``common_indent``), an
 apply it where the same span comes again, so a rename drafts through every later occurrence.
 
 Drafting lengths come from the cost curve and two acceptance estimates it keeps (decayed counts
-with priors): the chance a draft's first token is right after a fresh anchor (by the anchor's
-match length), and the chance each further token of an aligned copy is right. A copier is pure:
-its state is what it saw of one call's context.
+with priors): the chance the output's next token is the source's after a fresh anchor (by the
+anchor's match length), and the chance each further token of an aligned copy is. Both are read
+off the context itself, every token the output writes while aligned (drafted or not), not off
+the copier's own drafts: where verification is steep the priors alone draft nothing, and a
+copier that learnt only from its drafts would never learn that the output is copying (on the
+Zen 4's measured curve it drafted nothing over the whole edits replay). A copier is pure: its
+state is what it saw of one call's context.
 """
 
 from __future__ import annotations
@@ -70,13 +74,13 @@ class _Rate:
 
 @dataclass
 class CopyRates:
-    """What aligned copying has been worth in this call, shared by a call's copiers (a copy is
-    a copy, whichever text it comes from): the chance a draft's first token is right after a
-    fresh anchor, by the anchor's match length (1, 2, 3, 4+), and the chance each further token
-    of an aligned copy is right. The priors are low (0.2-0.55 and 0.8): replayed over single
-    prompts and agent episodes on a cheap verify curve, higher ones (up to 0.85 and 0.9) cost a
-    prose prompt up to 22% more steps in failed copies, and an edit's copies raise them within
-    a few steps anyway."""
+    """What following one source has been worth in this call: the chance the output's next
+    token is the source's right after a fresh anchor, by the anchor's match length (1, 2, 3,
+    4+), and the chance each further token of an aligned copy is. The priors are low (0.2-0.55
+    and 0.8): replayed over single prompts and agent episodes on a cheap verify curve, higher
+    ones (up to 0.85 and 0.9) cost a prose prompt up to 22% more steps in failed copies, and
+    the tokens of an edit's copy raise them within a few steps anyway (``SpanCopier.sync``
+    counts every token the output writes along the alignment, drafted or not)."""
 
     first: dict[int, _Rate] = field(
         default_factory=lambda: {
@@ -128,44 +132,64 @@ class SpanCopier:
     _grams: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
     """Each ``LONG_MATCH``-gram's places (its last token's, ascending)."""
     _indexed: int = 0
-    _last_first: _Rate | None = None
-    _fresh: bool = False
-    """Whether the last proposal started at a fresh anchor (its first token is judged by the
-    anchor's estimate, not the aligned copy's)."""
+    _anchored: int = 0
+    """The latest anchor's match length, 1 to 4 (0: none yet): whose estimate the first
+    tokens after it use."""
 
     def __post_init__(self) -> None:
         if not self.own:
             # A prediction is the answer's expected text: the output starts at its start.
             self.seen = -1
             self.cursor, self.broke_at = _Cursor(0), 0
-            self._last_first = self.rates.first[2]
+            self._anchored = 2
 
     # ---------------------------------------------------------------- following the context
 
     def sync(self, context: Sequence[int]) -> None:
         """Follow the context's new tokens: along the alignment while they match it, else
-        break it; then re-anchor if it is broken."""
+        break it, each token judging the estimate its drafting would have used (a fresh
+        anchor's, or the aligned copy's); then re-anchor if it is broken."""
         if self.seen < 0:  # the first sync: the context is the prompt
             self.seen = len(context)
         if self.own:
             self._index_own(context)
         elif self._indexed < len(self.source):
             self._index(len(self.source))
+        judged: dict[int, list[float]] = {}  # estimate (``_estimate``) -> hits, trials
         for i in range(self.seen, len(context)):
-            self._follow(context[i], i)
+            estimate = self._estimate()
+            followed = self._follow(context[i], i)
+            if estimate is not None:
+                tally = judged.setdefault(estimate, [0.0, 0.0])
+                tally[0] += followed
+                tally[1] += 1.0
+        for estimate, (hits, trials) in judged.items():
+            self._rate(estimate).add(hits, trials)  # decayed once per sync, as once per step
         self.seen = len(context)
         if self.cursor is None:
             self._anchor(context)
 
-    def _follow(self, token: int, at: int) -> None:
+    def _estimate(self) -> int | None:
+        """Which estimate a draft from here would start with: a fresh anchor's match length
+        (1 to 4), 0 for the aligned copy's, None where not aligned."""
+        if self.cursor is None:
+            return None
+        return self._anchored if self.run < LONG_MATCH else 0
+
+    def _rate(self, estimate: int) -> _Rate:
+        return self.rates.first[estimate] if estimate else self.rates.further
+
+    def _follow(self, token: int, at: int) -> bool:
+        """Move along the alignment with the output's next token; False where it broke (or
+        there was none)."""
         cursor = self.cursor
         if cursor is None:
-            return
+            return False
         step = self._step(cursor)
         if step is not None and step[0] == token:
             self.cursor, self.run = step[1], self.run + 1
             self.aligned_once = True
-            return
+            return True
         if (
             not cursor.pending
             and cursor.pos < self._length(at)
@@ -174,10 +198,11 @@ class SpanCopier:
             # The output kept the source where a substitution would have changed it: drop it.
             self._forget_rule_at(cursor.pos)
             self.cursor, self.run = _Cursor(cursor.pos + 1), self.run + 1
-            return
+            return True
         self.broke_at = cursor.pos
         self.broke_out = at
         self.cursor, self.run = None, 0
+        return False
 
     def _length(self, at: int) -> int:
         """How much of the source exists before context position ``at`` (own context: the
@@ -233,7 +258,7 @@ class SpanCopier:
             tail_start = self.broke_out
             self._learn_rule(broke, pos - n, context[tail_start : end - n])
         self.cursor, self.run = _Cursor(pos), n
-        self._last_first = self.rates.first[min(n, 4)]
+        self._anchored = min(n, 4)
 
     def _matches(
         self, places: Sequence[int], context: Sequence[int], limit: int
@@ -335,24 +360,11 @@ class SpanCopier:
             cursor = step[1]
         if not tokens:
             return Continuation([], [], 0), 0.0
-        fresh = self.run < LONG_MATCH and self._last_first is not None
-        further = self.rates.further
-        chance = self._last_first.chance if fresh and self._last_first else further.chance
-        confidences = [chance] + [further.chance] * (len(tokens) - 1)
+        first = self._rate(self._estimate() or 0).chance
+        further = self.rates.further.chance
+        confidences = [first] + [further] * (len(tokens) - 1)
         length, rate = draft_length(chained_gains(confidences), costs, after)
-        self._fresh = fresh
         return Continuation(tokens[:length], confidences[:length], self.run), rate
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        """The target judged the last proposal (its first ``accepted`` tokens kept)."""
-        if proposed <= 0:
-            return
-        further = self.rates.further
-        first = self._last_first if self._fresh and self._last_first is not None else further
-        first.add(1.0 if accepted >= 1 else 0.0, 1.0)
-        if accepted >= 1:
-            judged = min(accepted + 1, proposed) - 1
-            further.add(float(min(accepted - 1, judged)), float(judged))
 
 
 def _between(places: list[int], low: int, high: int) -> list[int]:

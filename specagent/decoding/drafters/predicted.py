@@ -50,9 +50,8 @@ class PredictedDrafter(StepwiseDrafter):
         return (yield from self.inner.propose_steps(ask._replace(k=own_k)))
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if self._copied:
-            self.copier.observe(proposed, accepted)
-        else:
+        # The copier learns from the context it syncs to (``SpanCopier.sync``).
+        if not self._copied:
             self.schedule.observe(proposed, accepted)
             self.inner.observe(proposed, accepted)
 

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from ..alignment import CopyRates, SpanCopier
+from ..alignment import SpanCopier
 from ..costs import CostModel, chained_gains, draft_length, most_per_cost
 from ..history import Continuation, SuffixIndex, continuation, runner_up
 from ..proposal import EMPTY, DraftRequest, DraftTree, Proposal, TokenConstraint
@@ -86,10 +86,9 @@ class SuffixDrafter(Drafter):
         self._calibration = Calibration(confidence=2.0, hits=1.6)
         """History tokens' vote shares against the target's acceptance (prior: 80% of the vote
         share)."""
-        rates = CopyRates()
-        self.copiers = [SpanCopier([], own=True, rates=rates)] if own_context else []
+        self.copiers = [SpanCopier([], own=True)] if own_context else []
         if prediction:
-            self.copiers.append(SpanCopier(list(prediction), label="prediction", rates=rates))
+            self.copiers.append(SpanCopier(list(prediction), label="prediction"))
         self._chosen: SpanCopier | None = None
         """The copier whose draft was the last candidate (None: the n-gram match's)."""
 
@@ -196,9 +195,8 @@ class SuffixDrafter(Drafter):
         return self.take(found, ask.constraint)
 
     def observe(self, proposed: int, accepted: int) -> None:
-        if self._chosen is not None:
-            self._chosen.observe(proposed, accepted)
-        else:
+        # A copier learns from the context it syncs to, every token written along its source.
+        if self._chosen is None:
             self._calibration.judged(proposed, accepted)
 
     def _sync(self, context: list[int]) -> None:
