@@ -209,3 +209,60 @@ def test_probes_cost_a_call_that_never_drafts_at_most_the_budget(draft_step, ver
     assert probes * extra / len(tail) <= schedule.probe_budget + extra / len(tail)
     assert spent / plain_cost < 1.0 + schedule.probe_budget + 0.05  # the prior's first steps
     assert schedule.probe_interval == max(8, math.ceil(extra / 0.02))
+
+
+class _Clock:
+    """The costs module's clock, advanced only by the forwards of ``_SpelledRunner``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Sequence:
+    def __init__(self) -> None:
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, negative: int) -> None:
+        self.length += negative
+
+
+class _SpelledRunner:
+    """A forward over n tokens takes n units, except that the host runs three times slower
+    for its first ``slow`` forwards (another process starting beside it)."""
+
+    vocab_size = 8
+
+    def __init__(self, clock: _Clock, slow: int) -> None:
+        self.clock, self.slow, self.forwards = clock, slow, 0
+
+    def new_cache(self) -> _Sequence:
+        return _Sequence()
+
+    def forward(self, tokens, cache, keep=None):
+        self.forwards += 1
+        self.clock.now += len(tokens) * (3.0 if self.forwards <= self.slow else 1.0)
+        cache.length += len(tokens)
+        return torch.zeros(len(tokens), self.vocab_size)
+
+
+def test_a_curve_is_timed_length_beside_unit_so_a_slow_spell_does_not_skew_it(
+    monkeypatch,
+) -> None:
+    """A spell of slowness while the single-token unit alone was timed made every ratio
+    three times too small (measured on a 2-core host: 33 rows at 5.3 single steps with a busy
+    loop running at the start, 14 without); timed in turns, each ratio comes out right."""
+    from specagent.decoding import costs as costs_module
+    from specagent.decoding.costs import finish, time_lengths
+
+    clock = _Clock()
+    monkeypatch.setattr(costs_module, "time", clock)
+    runner = _SpelledRunner(clock, slow=4)
+    seconds = finish(time_lengths(runner, [1, 2, 4, 8, 16]))
+    for n in (2, 4, 8, 16):
+        assert seconds[n] / seconds[1] == pytest.approx(n)

@@ -22,14 +22,15 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 8
+COSTS_VERSION = 9
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
 3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
 4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel.
 5: packed weights are a third form.
 6: each length's form is chosen by the vote of two or three passes (``kernel_choice_steps``).
 7: a runner's plan reroutes its linear modules, not every torch call (``LinearPlan.active``).
-8: each engine keys its own curves and stores what it settled (``Runner.settings``)."""
+8: each engine keys its own curves and stores what it settled (``Runner.settings``).
+9: each length is timed in turns with a single-token forward (``time_lengths``)."""
 
 
 class CostBook:
