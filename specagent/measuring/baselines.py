@@ -32,9 +32,10 @@ def prepared_methods(
     """The methods a benchmark times: plain (the reference, first and always) and the other
     baselines of the runtime's engine, ``baselines`` (other programs on the same model files),
     then specagent's ``own``; only those ``methods`` names where it names any (and, where it
-    names none, not those ``unless_named``: a workload a baseline cannot run). Each is run once
-    (kernels, allocator), and the runtime's step costs are measured before any is timed (timed
-    runs must not share the worker with the measurement)."""
+    names none, not those ``unless_named``: a workload a baseline cannot run). The runtime's
+    step costs are measured first, with nothing else running (a baseline warming up beside
+    the timings would skew the curve the runtime plans with), then each method is run once
+    (kernels, allocator)."""
     runs = {**baseline_methods(runtime, max_new_tokens), **(baselines or {}), **own}
     if methods is None:
         runs = {name: run for name, run in runs.items() if name not in set(unless_named)}
@@ -46,12 +47,12 @@ def prepared_methods(
         runs = {name: run for name, run in runs.items() if name == "plain" or name in only}
     if runtime.tokenizer is None:
         raise ValueError("the benchmark renders chat prompts: the runtime needs a tokenizer")
+    if not runtime.wait_measured(timeout=3600):
+        log("step costs still being measured after an hour; timing anyway")
     warm = render_prompt(
         [{"role": "user", "content": "Hi"}], runtime.tokenizer, vocab_size=runtime.vocab_size
     )
     for name, method in runs.items():
         method(warm, 0)
         log(f"warmed up {name}")
-    if not runtime.wait_measured(timeout=3600):
-        log("step costs still being measured after an hour; timing anyway")
     return runs

@@ -6,10 +6,12 @@ One server per mode, each with one slot and its prompt cache on, as an agent's p
 run it (each turn starts from the KV the last one left in the slot), but without its host-memory
 cache of earlier prompts (``--cache-ram 0``): the benchmarks start every method's episode or
 prompt cold (specagent's prefix cache is cleared), and a second round would otherwise find the
-whole prefills of the first kept there. Modes: ``plain`` greedy decoding, and the n-gram
-speculative modes ``ngram-mod`` (drafts of 48 to 64 tokens from a 24-token match) and
-``ngram-cache``. A call is one ``POST /completion`` with the prompt as token ids, greedy,
-returning the generated token ids; the time is the client's.
+whole prefills of the first kept there. Each round starts on a new server (the benches pass the
+round as the seed): ``ngram-mod`` keeps its n-gram table across requests, and would draft a
+second round's replies from the first's, where specagent's history is cleared every round.
+Modes: ``plain`` greedy decoding, and the n-gram speculative modes ``ngram-mod`` (drafts of 48 to
+64 tokens from a 24-token match) and ``ngram-cache``. A call is one ``POST /completion`` with the
+prompt as token ids, greedy, returning the generated token ids; the time is the client's.
 
 The binary comes from ``$SPECAGENT_LLAMA_SERVER`` or the ``PATH``; ``benchmarks/llama_server.py
 build`` builds it from the llama.cpp that the installed llama-cpp-python vendors (same sources
@@ -99,9 +101,17 @@ class LlamaServer:
             *extra,
         ]  # fmt: skip
         self.command = command
+        self._start()
+
+    def _start(self) -> None:
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready()
+
+    def restart(self) -> None:
+        """A new process with the same command: nothing of earlier requests kept."""
+        self.close()
+        self._start()
 
     def _wait_ready(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
@@ -182,7 +192,12 @@ def llama_server_methods(
         eos = set(runtime.eos_token_ids)
 
         def method(server: LlamaServer) -> Callable[[list[int], int], tuple[list[int], Any]]:
+            rounds = [0]  # the round (seed) of the server's requests so far
+
             def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
+                if seed != rounds[0]:
+                    server.restart()  # a new round starts with nothing kept (see the module)
+                    rounds[0] = seed
                 tokens = server.complete(ids, max_new_tokens)
                 return [t for t in tokens if t not in eos], None
 
