@@ -53,7 +53,8 @@ def bench_command(args: argparse.Namespace) -> int:
             max_new_tokens=max_new_tokens,
             target_name=Path(target).name,
             draft_name=Path(draft).name if draft else None,
-            baselines=others,
+            baselines=others.methods,
+            new_round=others.new_round,
             stem=stem,
         )
     runtime.close()

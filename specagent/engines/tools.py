@@ -12,14 +12,27 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 
-__all__ = ["EngineTools", "Float32Reference", "Method", "engine_tools"]
+__all__ = ["EngineTools", "Float32Reference", "Method", "OtherPrograms", "engine_tools"]
 
 Method = Callable[[list[int], int], tuple[list[int], Any]]
 """A decoding method a benchmark times: prompt ids and a round's seed -> output ids and stats."""
+
+
+class OtherPrograms(NamedTuple):
+    """Methods of other programs on the same model files, and what starts each of them afresh
+    (nothing kept of earlier requests), which a benchmark calls before each round, untimed."""
+
+    methods: dict[str, Method]
+    new_round: Callable[[], None]
+
+    @classmethod
+    def none(cls) -> OtherPrograms:
+        return cls({}, lambda: None)
+
 
 Float32Reference = Callable[[list[int], list[int]], tuple[torch.Tensor, torch.Tensor]]
 """For a prompt and the tokens plain greedy decoding generated after it: the next token's
@@ -42,7 +55,7 @@ class EngineTools(Protocol):
 
     def other_programs(
         self, runtime: Any, max_new_tokens: int, binary: str | None
-    ) -> AbstractContextManager[dict[str, Method]]:
+    ) -> AbstractContextManager[OtherPrograms]:
         """Methods of other programs on the same model files, for the block's duration (none
         where the engine has none or ``binary`` is not found)."""
         ...

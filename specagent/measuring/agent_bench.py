@@ -162,6 +162,7 @@ def run_agent_bench(
     draft_name: str | None = None,
     log: Callable[[str], None] = print,
     baselines: Mapping[str, Method] | None = None,
+    new_round: Callable[[], None] | None = None,
 ) -> AgentBenchResult:
     """Run every method over every episode, ``repeats`` rounds; the runtime's policies must be
     ``agent_policies``.
@@ -172,7 +173,9 @@ def run_agent_bench(
     would otherwise look slower than it is. Each specagent method calls under its own tenant,
     so its history and prefix cache hold only its own runs; the history is cleared at the start
     of every round, the prefix cache before every method's run of an episode. ``baselines``
-    adds methods of other programs on the same model files (``EngineTools.other_programs``)."""
+    adds methods of other programs on the same model files (``EngineTools.other_programs``),
+    and ``new_round`` starts them afresh before each round (untimed), as the history is
+    cleared."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     episodes = episodes if episodes is not None else load_episodes()
@@ -194,6 +197,8 @@ def run_agent_bench(
     for round_index in range(repeats):
         if runtime.history is not None:
             runtime.history.clear()  # nothing carried over from an earlier round
+        if new_round is not None:
+            new_round()
         totals = dict.fromkeys(runs, 0.0)
         for episode in episodes:
             reference: list[list[int]] = []

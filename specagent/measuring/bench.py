@@ -187,6 +187,7 @@ def run_bench(
     repeats: int = 1,
     methods: Iterable[str] | None = None,
     baselines: Mapping[str, Method] | None = None,
+    new_round: Callable[[], None] | None = None,
 ) -> BenchResult:
     """Run every method on every prompt (the runtime's policies must be ``bench_policies``).
 
@@ -195,7 +196,8 @@ def run_bench(
     every method alike instead of deciding one comparison. ``methods`` keeps only the methods
     named (plain always runs: it is the reference). Every method runs on the runtime's own
     model objects, so in the same dtype; ``baselines`` adds methods of other programs on the
-    same model files (``EngineTools.other_programs``: llama.cpp's server)."""
+    same model files (``EngineTools.other_programs``: llama.cpp's server), and ``new_round``
+    starts them afresh before each round (untimed)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = prompts or PROMPTS
@@ -215,6 +217,8 @@ def run_bench(
     rounds: dict[str, dict[str, list[MethodResult]]] = {p: {} for p in prompts}
     differ: list[tuple[MethodResult, list[int], list[int], list[int]]] = []
     for round_index in range(repeats):
+        if new_round is not None:
+            new_round()
         for prompt_name, ids in rendered_prompts.items():
             reference: list[int] | None = None
             for name, method in runs.items():

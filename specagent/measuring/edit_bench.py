@@ -137,9 +137,11 @@ def run_edit_bench(
     target_name: str = "target",
     log: Callable[[str], None] = print,
     baselines: Mapping[str, Method] | None = None,
+    new_round: Callable[[], None] | None = None,
 ) -> EditBenchResult:
     """Every method over every task, ``repeats`` rounds (the runtime's policies:
-    ``edit_policies``)."""
+    ``edit_policies``); ``new_round`` starts the ``baselines`` of other programs afresh before
+    each round (untimed)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if runtime.tokenizer is None:
@@ -178,6 +180,8 @@ def run_edit_bench(
     rounds: dict[str, dict[str, list[EditRun]]] = {t.id: {} for t in chosen}
     differ: list[tuple[EditRun, list[int], list[int], list[int]]] = []
     for round_index in range(repeats):
+        if new_round is not None:
+            new_round()
         for task in chosen:
             ids = render_prompt(task.messages(), runtime.tokenizer, vocab_size=runtime.vocab_size)
             reference: list[int] = []

@@ -6,9 +6,10 @@ One server per mode, each with one slot and its prompt cache on, as an agent's p
 run it (each turn starts from the KV the last one left in the slot), but without its host-memory
 cache of earlier prompts (``--cache-ram 0``): the benchmarks start every method's episode or
 prompt cold (specagent's prefix cache is cleared), and a second round would otherwise find the
-whole prefills of the first kept there. Each round starts on a new server (the benches pass the
-round as the seed): ``ngram-mod`` keeps its n-gram table across requests, and would draft a
-second round's replies from the first's, where specagent's history is cleared every round.
+whole prefills of the first kept there. Each round starts on new servers (``new_round``, which
+the benches call before a round, untimed): ``ngram-mod`` keeps its n-gram table across requests,
+and would draft a second round's replies from the first's, where specagent's history is cleared
+every round.
 Modes: ``plain`` greedy decoding, and the n-gram speculative modes ``ngram-mod`` (drafts of 48 to
 64 tokens from a 24-token match) and ``ngram-cache``. A call is one ``POST /completion`` with the
 prompt as token ids, greedy, returning the generated token ids; the time is the client's.
@@ -29,9 +30,11 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from ..tools import Method, OtherPrograms
 
 __all__ = ["MODES", "LlamaServer", "find_llama_server", "llama_server_methods"]
 
@@ -168,12 +171,13 @@ class LlamaServer:
 @contextlib.contextmanager
 def llama_server_methods(
     runtime: Any, max_new_tokens: int, binary: str | None = None
-) -> Iterator[dict[str, Callable[[list[int], int], tuple[list[int], Any]]]]:
+) -> Iterator[OtherPrograms]:
     """A method per mode of ``MODES`` (``engines.tools.Method``) over the runtime's llama.cpp
-    target, each on its own server, for the duration of the block; none where no binary."""
+    target, each on its own server, for the duration of the block, and what restarts them all
+    (``new_round``); none where no binary."""
     binary = binary or find_llama_server()
     if binary is None:
-        yield {}
+        yield OtherPrograms.none()
         return
     model = runtime.target
     servers: dict[str, LlamaServer] = {}
@@ -191,19 +195,18 @@ def llama_server_methods(
             )
         eos = set(runtime.eos_token_ids)
 
-        def method(server: LlamaServer) -> Callable[[list[int], int], tuple[list[int], Any]]:
-            rounds = [0]  # the round (seed) of the server's requests so far
-
+        def method(server: LlamaServer) -> Method:
             def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
-                if seed != rounds[0]:
-                    server.restart()  # a new round starts with nothing kept (see the module)
-                    rounds[0] = seed
                 tokens = server.complete(ids, max_new_tokens)
                 return [t for t in tokens if t not in eos], None
 
             return run
 
-        yield {name: method(server) for name, server in servers.items()}
+        def new_round() -> None:
+            for server in servers.values():
+                server.restart()
+
+        yield OtherPrograms({name: method(s) for name, s in servers.items()}, new_round)
     finally:
         for server in servers.values():
             server.close()

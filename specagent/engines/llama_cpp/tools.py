@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelLoadError
-from ..tools import Method
+from ..tools import Method, OtherPrograms
 from .compute_thread import run as on_compute_thread
 from .library import available, build_info, default_threads
 
@@ -105,13 +105,13 @@ def baselines(runtime: Any, max_new_tokens: int) -> dict[str, Method]:
 @contextlib.contextmanager
 def other_programs(
     runtime: Any, max_new_tokens: int, binary: str | None
-) -> Iterator[dict[str, Method]]:
+) -> Iterator[OtherPrograms]:
     """llama.cpp's own server in each of its modes (``server.MODES``) on the same GGUF; none,
     said on stderr, where no binary is found."""
     from .server import llama_server_methods
 
     with llama_server_methods(runtime, max_new_tokens, binary) as servers:
-        if not servers:
+        if not servers.methods:
             print(
                 "no llama-server binary found: its baselines are left out "
                 "(--llama-server PATH, or `python benchmarks/llama_server.py build`)",

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...machine import _installed, describe_exit, python_child
-from ..tools import Float32Reference, Method
+from ..tools import Float32Reference, Method, OtherPrograms
 from .views import cache_keyword
 
 __all__ = ["baselines", "check", "float32_reference", "other_programs"]
@@ -111,9 +111,9 @@ def baselines(runtime: Any, max_new_tokens: int) -> dict[str, Method]:
 @contextlib.contextmanager
 def other_programs(
     runtime: Any, max_new_tokens: int, binary: str | None
-) -> Iterator[dict[str, Method]]:
+) -> Iterator[OtherPrograms]:
     """None: what a transformers user runs instead is ``generate`` (``baselines``)."""
-    yield {}
+    yield OtherPrograms.none()
 
 
 def float32_reference(runtime: Any) -> Float32Reference:
