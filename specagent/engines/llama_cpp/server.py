@@ -10,6 +10,7 @@ whole prefills of the first kept there. Each round starts on new servers (``new_
 the benches call before a round, untimed): ``ngram-mod`` keeps its n-gram table across requests,
 and would draft a second round's replies from the first's, where specagent's history is cleared
 every round.
+
 Modes: ``plain`` greedy decoding, and the n-gram speculative modes ``ngram-mod`` (drafts of 48 to
 64 tokens from a 24-token match) and ``ngram-cache``. A call is one ``POST /completion`` with the
 prompt as token ids, greedy, returning the generated token ids; the time is the client's.
