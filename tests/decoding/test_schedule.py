@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from fake_engine import TokenSequence
 
 from specagent.decoding.costs import CostModel, interpolate_costs
 from specagent.decoding.drafters import DraftModelDrafter
@@ -221,17 +222,6 @@ class _Clock:
         return self.now
 
 
-class _Sequence:
-    def __init__(self) -> None:
-        self.length = 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, negative: int) -> None:
-        self.length += negative
-
-
 class _SpelledRunner:
     """A forward over n tokens takes n units, except that the host runs three times slower
     for its first ``slow`` forwards (another process starting beside it)."""
@@ -241,13 +231,13 @@ class _SpelledRunner:
     def __init__(self, clock: _Clock, slow: int) -> None:
         self.clock, self.slow, self.forwards = clock, slow, 0
 
-    def new_cache(self) -> _Sequence:
-        return _Sequence()
+    def new_cache(self) -> TokenSequence:
+        return TokenSequence()
 
     def forward(self, tokens, cache, keep=None):
         self.forwards += 1
         self.clock.now += len(tokens) * (3.0 if self.forwards <= self.slow else 1.0)
-        cache.length += len(tokens)
+        cache.tokens.extend(tokens)
         return torch.zeros(len(tokens), self.vocab_size)
 
 
