@@ -21,19 +21,18 @@ __all__ = ["bench_command", "eval_command", "tune_command"]
 
 def bench_command(args: argparse.Namespace) -> int:
     from ..engines.tools import engine_tools
-    from ..runtime import RuntimeOptions, SpecRuntime
+    from ..runtime import SpecRuntime
 
     target, draft = target_and_draft(args)
     workload = WORKLOADS[args.workload]
-    # Single prompts and edits: no prefix reuse, every method pays its own prefill, as the
-    # baselines do (benchmarks/runtime_load.py measures what reuse saves). Agent episodes run
-    # specagent both ways: paying every prefill, and as an agent runs it (each turn from the
-    # last one's KV).
+    # The runtime's default options, prefix cache on, as a user runs it: each method reuses
+    # what its last call's KV shares with the next prompt, as the baselines' processes do
+    # (``measuring.baselines.start_round``). Agent episodes also run specagent paying every
+    # prefill.
     runtime = SpecRuntime.from_pretrained(
         target,
         draft=draft,
         policies=workload.policies(draft is not None),
-        options=RuntimeOptions(prefix_cache_tokens=65536 if args.workload == "agent" else 0),
         dtype=args.dtype,
         draft_dtype=args.draft_dtype or args.dtype,
         engine_options=engine_options(args),

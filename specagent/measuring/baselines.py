@@ -11,7 +11,7 @@ from ..chat import render_prompt
 from ..engines.tools import Method, engine_tools
 from ..runtime import SpecRuntime
 
-__all__ = ["Method", "baseline_methods", "prepared_methods"]
+__all__ = ["Method", "baseline_methods", "prepared_methods", "start_round", "warm_prompt"]
 
 
 def baseline_methods(runtime: SpecRuntime, max_new_tokens: int) -> dict[str, Method]:
@@ -49,10 +49,39 @@ def prepared_methods(
         raise ValueError("the benchmark renders chat prompts: the runtime needs a tokenizer")
     if not runtime.wait_measured(timeout=3600):
         log("step costs still being measured after an hour; timing anyway")
-    warm = render_prompt(
-        [{"role": "user", "content": "Hi"}], runtime.tokenizer, vocab_size=runtime.vocab_size
-    )
+    warm = warm_prompt(runtime)
     for name, method in runs.items():
         method(warm, 0)
         log(f"warmed up {name}")
     return runs
+
+
+def warm_prompt(runtime: SpecRuntime) -> list[int]:
+    """A short chat ("Hi") in the runtime's template: what every method runs once, untimed."""
+    return render_prompt(
+        [{"role": "user", "content": "Hi"}], runtime.tokenizer, vocab_size=runtime.vocab_size
+    )
+
+
+def start_round(
+    runtime: SpecRuntime,
+    own: Mapping[str, Method],
+    new_round: Callable[[], None] | None = None,
+) -> None:
+    """Before each round of a benchmark, untimed: the other programs started afresh
+    (``new_round``), and specagent's prefix cache left as a baseline's KV is then.
+
+    A baseline keeps its last call's KV and reuses what the next prompt shares with it (the
+    chat template's header and system prompt, never a whole earlier prompt: each prompt comes
+    once a round). specagent's cache would keep every earlier round's prompts whole: it is
+    cleared, then each of specagent's ``own`` methods (each calling as a tenant of its own)
+    runs the warm-up chat once, so that its first prompt of the round finds the header kept,
+    as a baseline's does."""
+    if new_round is not None:
+        new_round()
+    if runtime.prefix_cache is None:
+        return
+    runtime.prefix_cache.clear()
+    warm = warm_prompt(runtime)
+    for method in own.values():
+        method(warm, 0)

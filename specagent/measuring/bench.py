@@ -35,7 +35,7 @@ from ..policy.schema import (
     TypicalAcceptance,
 )
 from ..runtime import SpecRuntime
-from .baselines import Method, prepared_methods
+from .baselines import Method, prepared_methods, start_round
 from .divergence import explain_divergence, tally_differences
 from .records import dtypes_of, geomean, peak_rss_mb
 
@@ -197,7 +197,9 @@ def run_bench(
     named (plain always runs: it is the reference). Every method runs on the runtime's own
     model objects, so in the same dtype; ``baselines`` adds methods of other programs on the
     same model files (``EngineTools.other_programs``: llama.cpp's server), and ``new_round``
-    starts them afresh before each round (untimed)."""
+    starts them afresh before each round (untimed). Each method reuses what its last call's
+    KV shares with the next prompt, as a user's process does (``baselines.start_round``: the
+    runtime's prefix cache, when it has one)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     prompts = prompts or PROMPTS
@@ -216,9 +218,9 @@ def run_bench(
     }
     rounds: dict[str, dict[str, list[MethodResult]]] = {p: {} for p in prompts}
     differ: list[tuple[MethodResult, list[int], list[int], list[int]]] = []
+    timed_own = {name: runs[name] for name in own if name in runs}
     for round_index in range(repeats):
-        if new_round is not None:
-            new_round()
+        start_round(runtime, timed_own, new_round)
         for prompt_name, ids in rendered_prompts.items():
             reference: list[int] | None = None
             for name, method in runs.items():
@@ -283,8 +285,13 @@ def _median_round(rows: list[MethodResult]) -> MethodResult:
 def _spec_method(
     runtime: SpecRuntime, policy: str, max_new_tokens: int
 ) -> Callable[[list[int], int], tuple[list[int], Any]]:
+    """specagent through the public runtime, as a tenant of its own: its prefix cache holds
+    only its own calls (another method's prompt, the same, is never found whole)."""
+
     def run(ids: list[int], seed: int) -> tuple[list[int], Any]:
-        result = runtime.generate_sync(ids, policy=policy, max_new_tokens=max_new_tokens, seed=seed)
+        result = runtime.generate_sync(
+            ids, policy=policy, max_new_tokens=max_new_tokens, seed=seed, tenant=f"bench-{policy}"
+        )
         return result.token_ids, result.stats
 
     return run

@@ -32,7 +32,7 @@ from ..machine import machine_info
 from ..policy import Policy
 from ..policy.schema import AutoConfig, NoDrafterConfig
 from ..runtime import SpecRuntime
-from .baselines import Method, prepared_methods
+from .baselines import Method, prepared_methods, start_round
 from .divergence import explain_divergence, tally_differences
 from .edit_tasks import EditTask, edit_tasks, rewrite_task
 from .records import dtypes_of, geomean, peak_rss_mb
@@ -110,7 +110,10 @@ class Predicted(Protocol):
     ) -> tuple[list[int], Any]: ...
 
 
-def _spec(runtime: SpecRuntime, policy: str, max_new_tokens: int) -> Predicted:
+def _spec(runtime: SpecRuntime, policy: str, max_new_tokens: int, tenant: str) -> Predicted:
+    """specagent through the public runtime, as ``tenant``: a method's prefix cache holds only
+    its own calls (the same task's prompt, another method's, is never found whole)."""
+
     def run(ids: list[int], seed: int, prediction: str | None = None) -> tuple[list[int], Any]:
         if runtime.history is not None:
             runtime.history.clear()
@@ -119,7 +122,7 @@ def _spec(runtime: SpecRuntime, policy: str, max_new_tokens: int) -> Predicted:
             policy=policy,
             max_new_tokens=max_new_tokens,
             seed=seed,
-            tenant="bench-edits",
+            tenant=tenant,
             prediction=prediction,
         )
         return result.token_ids, result.stats
@@ -141,7 +144,8 @@ def run_edit_bench(
 ) -> EditBenchResult:
     """Every method over every task, ``repeats`` rounds (the runtime's policies:
     ``edit_policies``); ``new_round`` starts the ``baselines`` of other programs afresh before
-    each round (untimed)."""
+    each round (untimed). Each method reuses what its last call's KV shares with the next
+    prompt (the system prompt), as a user's process does (``baselines.start_round``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if runtime.tokenizer is None:
@@ -158,10 +162,12 @@ def run_edit_bench(
     for policy in runtime.policies:
         if policy.name == "default":
             continue
-        run = _spec(runtime, policy.name, max_new_tokens)
-        own[f"specagent_{policy.name}"] = run
+        name = f"specagent_{policy.name}"
+        own[name] = _spec(runtime, policy.name, max_new_tokens, f"bench-{policy.name}")
         if policy.drafter.kind != "none":
-            predicted[f"specagent_{policy.name}{PREDICTED}"] = run
+            predicted[f"{name}{PREDICTED}"] = _spec(
+                runtime, policy.name, max_new_tokens, f"bench-{policy.name}{PREDICTED}"
+            )
     wanted = set(methods) if methods is not None else None
     runs = prepared_methods(
         runtime,
@@ -179,9 +185,9 @@ def run_edit_bench(
     out.precision = dtypes_of(runtime)
     rounds: dict[str, dict[str, list[EditRun]]] = {t.id: {} for t in chosen}
     differ: list[tuple[EditRun, list[int], list[int], list[int]]] = []
+    timed_own = {name: runs[name] for name in own if name in runs}
     for round_index in range(repeats):
-        if new_round is not None:
-            new_round()
+        start_round(runtime, {**timed_own, **predicted}, new_round)
         for task in chosen:
             ids = render_prompt(task.messages(), runtime.tokenizer, vocab_size=runtime.vocab_size)
             reference: list[int] = []

