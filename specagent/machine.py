@@ -154,10 +154,18 @@ def config_key(config: Any, *parts: object) -> str:
 
 
 class ProbeStore:
-    """Measurements of this machine, kept as JSON under ``directory`` (one file per machine)."""
+    """Measurements of this machine, kept as JSON under ``directory`` (one file per machine).
 
-    def __init__(self, directory: Path) -> None:
+    At most ``max_entries``, the least recently written dropped first: every model file,
+    setting and version keys entries of its own, and the file is read whole at every load and
+    rewritten at every write, so one that only grew would slow every start (a dropped entry
+    costs a measurement when next wanted, nothing else)."""
+
+    def __init__(self, directory: Path, max_entries: int = 256) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.path = Path(directory) / f"machine-{fingerprint()}.json"
+        self.max_entries = max_entries
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -177,16 +185,23 @@ class ProbeStore:
         return self.entries().get(key)
 
     def put(self, key: str, value: Any) -> None:
-        """Record ``value`` under ``key``; a failed write only costs a later re-measurement."""
+        """Record ``value`` under ``key`` (the newest entry: entries are kept in the order
+        they were written); a failed write only costs a later re-measurement."""
         data = self._read()
         data["machine"] = machine_info()
-        data.setdefault("entries", {})[key] = value
+        kept = data.get("entries")
+        entries = dict(kept) if isinstance(kept, dict) else {}
+        entries.pop(key, None)
+        entries[key] = value
+        for old in list(entries)[: max(0, len(entries) - self.max_entries)]:
+            del entries[old]
+        data["entries"] = entries
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(
                 "w", dir=self.path.parent, delete=False, suffix=".tmp", encoding="utf-8"
             ) as tmp:
-                json.dump(data, tmp, indent=1, sort_keys=True)
+                json.dump(data, tmp, indent=1)
             os.replace(tmp.name, self.path)
         except OSError:
             pass

@@ -68,6 +68,21 @@ def test_probe_store_round_trip_and_damaged_files(tmp_path: Path) -> None:
     ProbeStore(blocked / "probes").put("x", 1)  # cannot write: only costs a re-measurement
 
 
+def test_probe_store_keeps_its_newest_entries_within_its_bound(tmp_path: Path) -> None:
+    """Every model file and setting keys entries of its own: the store drops the least
+    recently written beyond its bound instead of growing with every model ever loaded."""
+    store = ProbeStore(tmp_path, max_entries=3)
+    for key in "abcd":
+        store.put(key, key)
+    assert set(store.entries()) == {"b", "c", "d"}
+    store.put("b", "again")  # written again: the newest now
+    store.put("e", "e")
+    assert store.entries() == {"d": "d", "b": "again", "e": "e"}
+    assert list(ProbeStore(tmp_path).entries()) == ["d", "b", "e"]  # oldest first, on disk
+    with pytest.raises(ValueError, match="max_entries"):
+        ProbeStore(tmp_path, max_entries=0)
+
+
 def test_target_dtype_is_judged_per_speculative_token() -> None:
     """A dtype fast at one row but dear per extra row loses to one that verifies cheaply."""
     cheap_single = {1: 0.33, 4: 0.91, 8: 1.59}  # bf16 without native support (measured)

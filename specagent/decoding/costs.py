@@ -39,6 +39,7 @@ __all__ = [
     "most_per_cost",
     "prior_costs",
     "time_lengths",
+    "unit_ratio",
 ]
 
 
@@ -218,7 +219,11 @@ def measure_steps(
     if draft is None:
         return CostModel(verify=tuple(round(v, 2) for v in verify))
     draft_seconds = yield from curve(draft, max(draft_tokens, 1))
-    drafts = [t / unit for t in interpolate_costs(draft_seconds, max(draft_tokens, 1))]
+    # The draft's curve is its own ratios; what its unit costs in target steps is timed apart,
+    # in turns with the target's (the curves themselves ran minutes apart).
+    price = yield from unit_ratio(draft, target, context_tokens=context_tokens, repeats=repeats)
+    scale = price / draft_seconds[1]
+    drafts = [t * scale for t in interpolate_costs(draft_seconds, max(draft_tokens, 1))]
     return CostModel(
         draft_step=round(drafts[0], 2),
         verify=tuple(round(v, 2) for v in verify),
@@ -280,6 +285,23 @@ def time_lengths(
         yield
     best = min(units, default=0.0)
     return {n: ratio * best for n, ratio in ratios.items()}
+
+
+def unit_ratio(
+    runner: Runner, reference: Runner, *, context_tokens: int = 32, repeats: int = 2
+) -> Generator[None, None, float]:
+    """What ``runner``'s single-token forward costs in ``reference``'s, the two timed in turns
+    (best of ``repeats`` each, one pair per step) so that a spell of slowness weighs on both:
+    timed at different moments, a busy spell during either skews the ratio by its slowdown
+    (``time_lengths`` does the same for one runner's lengths)."""
+    mine = forward_timer(runner, context_tokens=context_tokens, repeats=1)
+    theirs = forward_timer(reference, context_tokens=context_tokens, repeats=1)
+    took = unit = math.inf
+    for _ in range(max(repeats, 1)):
+        took = min(took, mine(1))
+        unit = min(unit, theirs(1))
+        yield
+    return took / unit
 
 
 class SettlesNothing:

@@ -64,8 +64,6 @@ class AdmissionGate:
     uses ``tokenizer`` itself, the others copies made when first needed."""
 
     def __init__(self, tokenizer: Any, workers: int = 2) -> None:
-        if workers < 1:
-            raise ValueError("an admission gate needs at least one worker")
         self.workers = workers
         self._first = tokenizer
         self._tokenizers: list[Any] = [tokenizer]

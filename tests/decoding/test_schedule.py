@@ -8,7 +8,7 @@ import pytest
 import torch
 from fake_engine import TokenSequence
 
-from specagent.decoding.costs import CostModel, interpolate_costs
+from specagent.decoding.costs import CostModel, SettlesNothing, interpolate_costs
 from specagent.decoding.drafters import DraftModelDrafter
 from specagent.decoding.proposal import DraftRequest
 from specagent.decoding.sampling import SamplingParams
@@ -213,30 +213,37 @@ def test_probes_cost_a_call_that_never_drafts_at_most_the_budget(draft_step, ver
 
 
 class _Clock:
-    """The costs module's clock, advanced only by the forwards of ``_SpelledRunner``."""
+    """The costs module's clock, advanced only by the forwards of ``_SpelledRunner``s: the
+    host runs three times slower for the forwards numbered in ``slow`` (from 1), and from the
+    moment ``spell`` is set (another process starting beside it)."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
+    def __init__(self, slow: range = range(0)) -> None:
+        self.now, self.slow, self.forwards, self.spell = 0.0, slow, 0, False
 
     def perf_counter(self) -> float:
         return self.now
 
+    def run(self, work: float) -> None:
+        self.forwards += 1
+        slow = self.spell or self.forwards in self.slow
+        self.now += work * (3.0 if slow else 1.0)
 
-class _SpelledRunner:
-    """A forward over n tokens takes n units, except that the host runs three times slower
-    for its first ``slow`` forwards (another process starting beside it)."""
+
+class _SpelledRunner(SettlesNothing):
+    """A forward over n tokens takes ``per_token`` units each on ``clock``; ``starts_spell``:
+    its first forward starts the clock's slow spell."""
 
     vocab_size = 8
 
-    def __init__(self, clock: _Clock, slow: int) -> None:
-        self.clock, self.slow, self.forwards = clock, slow, 0
+    def __init__(self, clock: _Clock, per_token: float = 1.0, starts_spell: bool = False) -> None:
+        self.clock, self.per_token, self.starts_spell = clock, per_token, starts_spell
 
     def new_cache(self) -> TokenSequence:
         return TokenSequence()
 
     def forward(self, tokens, cache, keep=None):
-        self.forwards += 1
-        self.clock.now += len(tokens) * (3.0 if self.forwards <= self.slow else 1.0)
+        self.clock.spell |= self.starts_spell
+        self.clock.run(len(tokens) * self.per_token)
         cache.tokens.extend(tokens)
         return torch.zeros(len(tokens), self.vocab_size)
 
@@ -250,9 +257,26 @@ def test_a_curve_is_timed_length_beside_unit_so_a_slow_spell_does_not_skew_it(
     from specagent.decoding import costs as costs_module
     from specagent.decoding.costs import finish, time_lengths
 
-    clock = _Clock()
+    clock = _Clock(slow=range(1, 5))
     monkeypatch.setattr(costs_module, "time", clock)
-    runner = _SpelledRunner(clock, slow=4)
+    runner = _SpelledRunner(clock)
     seconds = finish(time_lengths(runner, [1, 2, 4, 8, 16]))
     for n in (2, 4, 8, 16):
         assert seconds[n] / seconds[1] == pytest.approx(n)
+
+
+def test_a_draft_step_is_priced_in_turns_with_the_target_s(monkeypatch) -> None:
+    """A draft's curve and the target's unit are timed minutes apart: a spell of slowness over
+    the draft's curve alone priced its step three times too dear. Its price in target steps
+    is timed in turns with the target's unit; its curve keeps its own ratios."""
+    from specagent.decoding import costs as costs_module
+    from specagent.decoding.costs import measure_costs
+
+    clock = _Clock()
+    monkeypatch.setattr(costs_module, "time", clock)
+    target = _SpelledRunner(clock)
+    draft = _SpelledRunner(clock, per_token=0.25, starts_spell=True)
+    costs = measure_costs(target, draft, 1, draft_tokens=8)
+    assert clock.spell  # the premise: the draft was timed in the spell, the target's curve not
+    assert costs.draft_step == pytest.approx(0.25)
+    assert costs.draft_cost(8) == pytest.approx(2.0)

@@ -22,7 +22,7 @@ class CurveStore(Protocol):
     def put(self, key: str, value: Any) -> None: ...
 
 
-COSTS_VERSION = 9
+COSTS_VERSION = 10
 """Bumped whenever ``measure_costs`` measures differently: older stored costs are not reused.
 3: a transposed kernel's win is confirmed by a second pair of timings before it is kept.
 4: the transposed form feeds a single row as two, reaching the matrix-matrix kernel.
