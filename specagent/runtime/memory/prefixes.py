@@ -42,7 +42,8 @@ class PrefixCache:
     system prompt (Qwen2.5's default: 24 tokens) is what unrelated calls share, and what a
     llama.cpp process reuses from its last call: on a CPU its prefill is a tenth of a short
     call's time, where a kept copy costs a sequence copy (llama.cpp) or one memory copy of
-    the entry (transformers). Below 16 tokens, what is saved is about a step.
+    the entry (transformers). 16 is below such headers and above the few tokens of a role
+    marker that every prompt starts with (a copy taken on every call for next to nothing).
 
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
     must never change. Its own worker uses it; an engine shared by several runtimes may ask it
