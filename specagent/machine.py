@@ -176,8 +176,7 @@ class ProbeStore:
 
     def entries(self) -> dict[str, Any]:
         """Everything recorded for this machine (``specagent doctor`` shows it)."""
-        entries = self._read().get("entries", {})
-        return dict(entries) if isinstance(entries, dict) else {}
+        return _entries_of(self._read())
 
     def get(self, key: str) -> Any | None:
         """What is recorded under ``key`` (None: nothing, or a file not of this shape: its
@@ -189,8 +188,7 @@ class ProbeStore:
         they were written); a failed write only costs a later re-measurement."""
         data = self._read()
         data["machine"] = machine_info()
-        kept = data.get("entries")
-        entries = dict(kept) if isinstance(kept, dict) else {}
+        entries = _entries_of(data)
         entries.pop(key, None)
         entries[key] = value
         for old in list(entries)[: max(0, len(entries) - self.max_entries)]:
@@ -205,6 +203,12 @@ class ProbeStore:
             os.replace(tmp.name, self.path)
         except OSError:
             pass
+
+
+def _entries_of(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a store file's entries (none where the file is not of this shape)."""
+    entries = data.get("entries", {})
+    return dict(entries) if isinstance(entries, dict) else {}
 
 
 def python_child(code: str) -> list[str]:

@@ -210,8 +210,9 @@ def measure_steps(
         return runner.tune(lengths, context_tokens=context_tokens, repeats=repeats)
 
     if draft is not None and max_tokens <= 1:
-        # Only the unit is wanted, the target's forwards as they run now.
-        verify_seconds = {1: forward_timer(target, repeats=repeats)(1)}
+        # Only the draft's curve is wanted: the target's unit is 1 by definition, and the
+        # draft's price in it is timed in turns below (``unit_ratio``).
+        verify_seconds = {1: 1.0}
     else:
         verify_seconds = yield from curve(target, max(max_tokens, 1))
     unit = verify_seconds[1]
