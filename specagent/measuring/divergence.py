@@ -97,10 +97,13 @@ def _engine_report(
 ) -> dict[str, Any]:
     """``explain_divergence`` on an engine without a float32 copy (llama.cpp runs its GGUF as
     shipped): the engine's own logits at the first difference, computed along plain's path
-    (the prompt in one forward, then one token per forward) and in one forward over the whole
-    prefix (as a verification adds it up). ``engine_error`` is the largest difference between
-    the two over the ten likeliest tokens; the tokens were a tie within the engine's rounding
-    where ``|margin| <= 2 * engine_error``."""
+    (the prompt in one forward, then one token per forward) and along a call's that found the
+    prompt's first half kept (that half in one forward, the rest and the output before the
+    difference in another, as a verification adds them up). ``engine_error`` is the largest
+    difference between the two over the ten likeliest tokens; the tokens were a tie within the
+    engine's rounding where ``|margin| <= 2 * engine_error``. Splitting the prompt matters at
+    the first token: fed whole on both paths, the two would be one computation and a tie
+    there (a call that reused a kept prefix prefilled the rest apart) would read as no error."""
     at = _first_difference(reference, output)
     report: dict[str, Any] = {"at": at}
     if at >= min(len(reference), len(output)):
@@ -111,7 +114,10 @@ def _engine_report(
     own = runner.forward(prompt, path, keep=1)[-1]
     for token in reference[:at]:
         own = runner.forward([token], path, keep=1)[-1]
-    whole = runner.forward([*prompt, *reference[:at]], runner.new_cache(), keep=1)[-1]
+    kept, half = runner.new_cache(), len(prompt) // 2
+    if half:
+        runner.forward(prompt[:half], kept, keep=1)
+    whole = runner.forward([*prompt[half:], *reference[:at]], kept, keep=1)[-1]
     plain_token, token = reference[at], output[at]
     margin = float(whole[plain_token] - whole[token])
     top = whole.topk(10).indices

@@ -271,6 +271,27 @@ def test_logprobs_on_llama_cpp_are_a_plain_forwards(runtime, tokenizer) -> None:
             )
 
 
+def test_a_first_token_tie_is_judged_along_a_split_prefill(runtime, tokenizer) -> None:
+    """A lossless call that reused a kept prefix prefilled the rest of its prompt apart, so its
+    first token can part from plain's at a tie: the explanation measures the engine's rounding
+    along such a split prefill, not along the same whole-prompt forward twice (an error of 0
+    that read every first-token tie as a real difference)."""
+    from specagent.measuring.divergence import explain_divergence
+
+    runner = runtime._decoder.target_runner
+    prompt = tokenizer.encode(f"{TEXTS[0]} {TEXTS[1]}")
+    whole = runner.forward(prompt, runner.new_cache(), keep=1)[-1]
+    first, second = whole.topk(2).indices.tolist()
+    model = runner.model
+    before = model.decodes
+    (report,) = explain_divergence(runtime, [(prompt, [first], [second])])
+    assert report["at"] == 0
+    assert report["plain_margin"] == pytest.approx(float(whole[first] - whole[second]), abs=1e-4)
+    # Plain's path (the prompt whole), then the split one (its two halves): three forwards.
+    # (This tiny model on one thread rounds both alike, so its error is not asserted.)
+    assert model.decodes - before == 3
+
+
 @pytest.mark.anyio
 async def test_concurrent_calls_through_the_runtime_equal_plain_greedy(runtime, tokenizer) -> None:
     assert runtime.engine == "llama.cpp"
