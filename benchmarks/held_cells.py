@@ -5,8 +5,9 @@ masked where the cell is not the call's; kept prefixes and other calls fill the 
 could tax every step. This times one call (a 900-token prompt) doing single-token steps and
 16-token verifications with the pool otherwise empty, with ``--fill`` other sequences of 512
 tokens held after it, and with only the highest of them held (``n_kv`` as large, the cells
-between free). The conditions alternate within each round (the host drifts); the other
-sequences are restored copies of one prefilled sequence's state, so filling costs no prefill.
+between free). The conditions alternate within each round, each first in turn (the host
+drifts); the other sequences are restored copies of one prefilled sequence's state, so
+filling costs no prefill.
 
     python benchmarks/held_cells.py --model qwen2.5-coder-1.5b-instruct --fill 60 --rounds 4
 """
@@ -75,8 +76,10 @@ def main() -> None:
           f"{' '.join(machine['isa_flags'])}; {model.description}, {model.threads} threads, "
           f"llama-cpp-python {machine['llama_cpp_python']}; {model.fast_paths}")  # fmt: skip
     results: dict[str, list[tuple[float, float]]] = {}
+    conditions = ["empty", f"{args.fill} x 512 held", "highest only"]
     for round_index in range(args.rounds):
-        for condition in ("empty", f"{args.fill} x 512 held", "highest only"):
+        shift = round_index % len(conditions)  # each condition first in turn: drift is shared
+        for condition in conditions[shift:] + conditions[:shift]:
             others = held(condition)
             results.setdefault(condition, []).append((timed(call, 1, 6), timed(call, 16, 3)))
             del others
