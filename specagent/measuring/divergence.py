@@ -97,12 +97,12 @@ def _engine_report(
 ) -> dict[str, Any]:
     """``explain_divergence`` on an engine without a float32 copy (llama.cpp runs its GGUF as
     shipped): the engine's own logits at the first difference, computed along plain's path
-    (the prompt in one forward, then one token per forward) and along a call's that found the
-    prompt's first half kept (that half in one forward, the rest and the output before the
-    difference in another, as a verification adds them up). ``engine_error`` is the largest
-    difference between the two over the ten likeliest tokens; the tokens were a tie within the
-    engine's rounding where ``|margin| <= 2 * engine_error``. Splitting the prompt matters at
-    the first token: fed whole on both paths, the two would be one computation and a tie
+    (the prompt in one forward, then one token per forward) and along the path of a call that
+    found the prompt's first half kept (that half in one forward, the rest and the output
+    before the difference in another, as a verification adds them up). ``engine_error`` is
+    the largest difference between the two over the ten likeliest tokens; the tokens were a tie
+    within the engine's rounding where ``|margin| <= 2 * engine_error``. Splitting the prompt
+    matters at the first token: fed whole on both paths, the two would be one computation and a tie
     there (a call that reused a kept prefix prefilled the rest apart) would read as no error."""
     at = _first_difference(reference, output)
     report: dict[str, Any] = {"at": at}
