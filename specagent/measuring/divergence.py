@@ -117,11 +117,11 @@ def _engine_report(
     kept, half = runner.new_cache(), len(prompt) // 2
     if half:
         runner.forward(prompt[:half], kept, keep=1)
-    whole = runner.forward([*prompt[half:], *reference[:at]], kept, keep=1)[-1]
+    split = runner.forward([*prompt[half:], *reference[:at]], kept, keep=1)[-1]
     plain_token, token = reference[at], output[at]
-    margin = float(whole[plain_token] - whole[token])
-    top = whole.topk(10).indices
-    error = float((own[top] - whole[top]).abs().max())
+    margin = float(split[plain_token] - split[token])
+    top = split.topk(10).indices
+    error = float((own[top] - split[top]).abs().max())
     report.update(
         plain_token=plain_token,
         token=token,
