@@ -6,8 +6,8 @@ could tax every step. This times one call (a 900-token prompt) doing single-toke
 16-token verifications with the pool otherwise empty, with ``--fill`` other sequences of 512
 tokens held after it, and with only the highest of them held (``n_kv`` as large, the cells
 between free). The conditions alternate within each round, each first in turn (the host
-drifts); the other sequences are restored copies of one prefilled sequence's state, so
-filling costs no prefill.
+drifts); the other sequences are restored copies of one prefilled sequence's saved state (as
+the engine keeps prefixes, ``LlamaCppRunner.kept``), so filling costs no prefill.
 
     python benchmarks/held_cells.py --model qwen2.5-coder-1.5b-instruct --fill 60 --rounds 4
 """
@@ -15,7 +15,7 @@ filling costs no prefill.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import copy
 import random
 import statistics
 import sys
@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specagent.catalog import resolve_gguf
-from specagent.engines.llama_cpp.model import LlamaCppModel, LlamaSequence
+from specagent.engines.llama_cpp import LlamaCppModel, LlamaSequence
+from specagent.errors import GenerationError
 from specagent.machine import machine_info, machine_kind
 
 
@@ -50,25 +51,21 @@ def main() -> None:
         seq.crop(start)
         return statistics.median(seconds) * 1000
 
-    # The state copy goes through the context itself: the engine has no use for it.
-    lib, shared = model._lib, model._shared
     call = model.sequence()
     model.decode([(call, tokens(900), 1)])
     source = model.sequence()
     model.decode([(source, tokens(512), 1)])
-    size = lib.llama_state_seq_get_size_ext(shared.ctx, source.seq_id, 0)
-    state = (ctypes.c_uint8 * size)()
-    lib.llama_state_seq_get_data_ext(shared.ctx, state, size, source.seq_id, 0)
+    state = model.runner().kept(source, copied=False)
     del source
-    model._reap(shared)
 
     def held(condition: str) -> list[LlamaSequence]:
         others = []
         for _ in range(0 if condition == "empty" else args.fill):
-            seq = model.sequence()
-            if lib.llama_state_seq_set_data_ext(shared.ctx, state, size, seq.seq_id, 0) != size:
-                raise SystemExit(f"the pool of {model.context_tokens} cells is full: lower --fill")
-            others.append(seq)
+            try:
+                others.append(copy.deepcopy(state))  # restored into a new sequence
+            except GenerationError:
+                msg = f"the pool of {model.context_tokens} cells is full: lower --fill"
+                raise SystemExit(msg) from None
         return others[-1:] if condition == "highest only" else others
 
     machine = machine_info()
@@ -83,7 +80,6 @@ def main() -> None:
             others = held(condition)
             results.setdefault(condition, []).append((timed(call, 1, 6), timed(call, 16, 3)))
             del others
-            model._reap(shared)
             step, verify = results[condition][-1]
             print(f"round {round_index + 1} {condition:18s} step {step:6.1f} ms  "
                   f"verify 16 {verify:7.1f} ms", flush=True)  # fmt: skip

@@ -127,12 +127,6 @@ class EngineModel(ABC):
         hands the place back between two of them. Never, inline."""
         return False
 
-    def add_evictor(self, evict: Callable[[], bool]) -> None:
-        """Where the model runs short of room for a new sequence, call ``evict`` (kept
-        prefixes hold sequences; it frees the oldest and says whether it freed one). Nothing
-        to do where sequences cost only memory."""
-        return None
-
 
 @dataclass(frozen=True)
 class LoadRequest:

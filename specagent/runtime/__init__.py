@@ -129,8 +129,12 @@ class SpecRuntime(Backend):
         self._worker: Worker | None = None
         self._lock = threading.Lock()
         kept = options.prefix_cache_tokens
+        pool = self._target.kv_budget()
+        if pool is not None:  # a copy of the pool's KV in host memory: never more than the pool
+            kept = min(kept, pool)
         self.prefix_cache = PrefixCache(kept) if kept > 0 else None
-        """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``; 0 disables)."""
+        """KV of recent prompt prefixes (token budget ``prefix_cache_tokens``, at most the
+        shared pool's size where calls share one; 0 disables)."""
         self._decoder = Decoder(
             self._target,
             self._draft,

@@ -57,10 +57,6 @@ class Decoder:
         self.eos_token_ids = list(eos_token_ids)
         self.context_window = target.context_window
         self.prefixes = prefixes
-        for model in (target, draft):
-            if prefixes is not None and model is not None:
-                # Kept prefixes hold the engine's sequences: it frees one when it runs short.
-                model.add_evictor(prefixes.evict_oldest)
         self.decode_text = decode_text
         self.history = history
         """Earlier calls' text, per scope key (``drafter.history``)."""

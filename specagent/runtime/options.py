@@ -25,7 +25,9 @@ class RuntimeOptions:
     admission_workers: int = 2
     """Threads that admit calls (render, tokenize, compile a grammar) off the event loop."""
     prefix_cache_tokens: int = 65536
-    """KV of recent prompt prefixes kept for later calls of the same tenant (0: none)."""
+    """KV of recent prompt prefixes kept for later calls of the same tenant (0: none); on an
+    engine whose calls share one KV pool (llama.cpp) at most the pool's size, since each kept
+    token is a copy of a cell's KV in host memory."""
     history_tokens: int = 32768
     """Earlier calls' text that ``suffix``/``auto`` policies draft from, per scope and tenant
     (0: none)."""

@@ -82,8 +82,6 @@ def test_one_tenants_prompts_never_flush_another_tenants_prefixes(target) -> Non
     assert quiet.lookup(runner, [*kept, 3])[1] == 40
     assert loud.lookup(runner, list(range(260, 300)))[1] == 40  # its newest stays
     assert loud.lookup(runner, list(range(60, 100)))[1] == 0  # its oldest went
-    assert cache.evict_oldest()  # an engine short of room takes from the largest scope too
-    assert quiet.lookup(runner, kept)[1] == 40
     alone = PrefixCache(max_tokens=200, min_tokens=4)
     for start in range(60, 300, 40):
         prompt = list(range(start, start + 40))

@@ -95,6 +95,39 @@ def test_crop_rolls_back_and_a_copy_is_independent(engine_model, tokenizer) -> N
     assert torch.allclose(tail, reference, atol=1e-4)
 
 
+def test_kept_prefixes_hold_no_cell_of_the_pool(gguf_file) -> None:
+    """Kept prefixes are saved outside the pool: four of 300 positions are kept beside a pool
+    of 512 cells and two sequence ids, a call still finds room for 400 positions, and each
+    prefix restores (cut to its kept length) to what its sequence computed."""
+    model = LlamaCppModel(gguf_file, context_tokens=512, max_sequences=2, threads=1)
+    runner = model.runner()
+    kept, expected = [], []
+    for start in range(4):
+        ids = [10 + (start * 7 + j * 13) % 200 for j in range(300)]
+        seq = runner.new_cache()
+        runner.forward(ids, seq, keep=0)
+        expected.append(runner.forward([5, 6], seq, keep=1))
+        state = runner.kept(seq, copied=False)  # its call is done: the cells go back now
+        assert seq.get_seq_length() == 0
+        state.crop(300)  # the prefix cache keeps the prompt, not what followed
+        kept.append(state)
+        del seq
+    call = runner.new_cache()
+    runner.forward([10 + j % 200 for j in range(400)], call, keep=1)  # no kept prefix in the pool
+    with pytest.raises(GenerationError, match="no room in its KV pool of 512 tokens"):
+        copy.deepcopy(kept[0])  # but no room beside this call for a restored one
+    del call
+    for state, logits in zip(kept, expected, strict=True):
+        restored = copy.deepcopy(state)  # the prefix cache's copy of an entry
+        assert restored.get_seq_length() == 300
+        torch.testing.assert_close(runner.forward([5, 6], restored, keep=1), logits)
+        del restored
+    assert state.get_seq_length() == 300  # the entry itself is unchanged by its copies
+    private = runner.reproducible(64).new_cache()
+    with pytest.raises(GenerationError, match="private"):
+        runner.kept(private, copied=True)
+
+
 def test_dropped_sequences_give_their_ids_back(gguf_file) -> None:
     model = LlamaCppModel(gguf_file, context_tokens=512, max_sequences=2, threads=1)
     runner = model.runner()
@@ -340,9 +373,9 @@ async def test_a_kept_prefix_is_reused_by_the_next_call(runtime, tokenizer) -> N
 
 
 @pytest.mark.anyio
-async def test_calls_go_on_when_no_sequence_is_left_for_a_kept_prefix(gguf_file, tokenizer) -> None:
-    """One sequence in all: a call's prompt cannot be copied for later calls, and the next call
-    cannot copy the finished one's KV; both skip the prefix cache and answer as plain would."""
+async def test_a_kept_prefix_needs_no_sequence_of_its_own(gguf_file, tokenizer) -> None:
+    """One sequence in all: a kept prefix is saved outside the pool, so the call holding the
+    only sequence still keeps its prompt, and the next call reuses it."""
     model = LlamaCppModel(gguf_file, context_tokens=2048, max_sequences=1, threads=1)
     rt = SpecRuntime(
         model,
@@ -355,7 +388,7 @@ async def test_calls_go_on_when_no_sequence_is_left_for_a_kept_prefix(gguf_file,
         first = await rt.generate(text, policy="plain", tenant="t")
         second = await rt.generate(text, policy="plain", tenant="t")
         assert first.token_ids == second.token_ids
-        assert second.usage.cached_input_tokens == 0
+        assert second.usage.cached_input_tokens > 0
     finally:
         rt.close()
 

@@ -8,8 +8,10 @@ decoding (drafters, acceptance, grammar, history) and hands llama.cpp only forwa
   shared by up to ``max_sequences`` sequences (``kv_unified``);
 - a call's KV is a ``LlamaSequence``: a sequence id in that pool and its length. Rolling back
   rejected drafts removes the sequence's positions past a length (``llama_memory_seq_rm``); a
-  kept prefix is copied into a new sequence id (``llama_memory_seq_cp``), which in a unified
-  pool shares the cells instead of copying them, so the prefix cache costs ids, not memory;
+  copy of a sequence (``llama_memory_seq_cp``) shares its cells;
+- a kept prefix is a sequence's KV saved to host memory (``KeptState``) and restored into a
+  new sequence when a call reuses it: held in the pool it would tax every forward, which
+  reads the mask over every cell up to the highest one in use;
 - ``LlamaCppRunner.forward_batch`` is one ``llama_decode`` over every call's new tokens (each
   at its own positions, in its own sequence), asking logits only for the rows somebody reads:
   llama.cpp then runs the vocabulary projection over those rows alone.
@@ -30,11 +32,12 @@ from .library import available, build_info, default_threads
 from .loading import check_vocabulary
 from .model import LlamaCppModel, LlamaCppRunner
 from .probe import FAST_PATHS, FastPaths, PathChoice
-from .sequences import LlamaSequence
+from .sequences import KeptState, LlamaSequence
 
 __all__ = [
     "FAST_PATHS",
     "FastPaths",
+    "KeptState",
     "LlamaCppModel",
     "LlamaCppRunner",
     "LlamaSequence",

@@ -7,7 +7,6 @@ import collections
 import contextlib
 import ctypes
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +22,7 @@ from ..base import Capabilities, EngineModel, RunnerNeeds
 from . import compute_thread
 from .library import default_threads, library
 from .probe import FastPaths, Switch, choose_fast_paths
-from .sequences import LlamaSequence, _Context
+from .sequences import KeptState, LlamaSequence, _Context
 
 __all__ = ["LlamaCppModel", "LlamaCppRunner"]
 
@@ -35,13 +34,18 @@ SPARE_CONTEXTS = 4
 """Private contexts kept, cleared, for the next reproducible calls once theirs ended."""
 
 
+def _bytes(data: np.ndarray) -> Any:
+    """``data``'s buffer as the ``uint8_t *`` llama.cpp's state functions take."""
+    return data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+
+
 class LlamaCppModel(EngineModel):
     """A GGUF model loaded by llama.cpp with one shared context for the calls of a runtime.
 
-    ``context_tokens`` sizes the shared KV pool (every live call and every kept prefix draws
-    from it; kept prefixes share cells with the calls that made them); ``max_sequences``
-    bounds how many calls, their drafts' KV and kept prefixes exist at once (llama.cpp allows
-    256; the default leaves a runtime's 64 active calls room for their prefixes); ``threads``
+    ``context_tokens`` sizes the shared KV pool (every live call draws from it; kept prefixes
+    are saved to host memory, outside it: ``save_sequence``); ``max_sequences`` bounds how many
+    calls and their drafts' KV exist at once (llama.cpp allows 256; the default leaves a
+    runtime's 64 active calls room for copies); ``threads``
     defaults to the CPUs this process may use; ``batch_tokens`` is the most tokens one
     ``llama_decode`` takes (longer forwards are split); ``call_share`` is the most of the pool
     one call may hold (its prompt and output: the runtime refuses longer calls, and starts a
@@ -109,7 +113,7 @@ class LlamaCppModel(EngineModel):
         limit = int(lib.llama_max_parallel_sequences())
         self.max_sequences = max(1, min(max_sequences, limit))
         try:
-            # Unified: kept prefixes share cells with the calls that made them.
+            # Unified: a call's copies share its cells, and calls take cells as they grow.
             self._shared = _Context(
                 self, tokens=context_tokens, sequences=self.max_sequences, unified=True
             )
@@ -131,13 +135,11 @@ class LlamaCppModel(EngineModel):
         lib.llama_model_desc(model, buffer, len(buffer))
         self.description = buffer.value.decode("utf-8", "replace")
         """llama.cpp's own description of the weights (architecture, size, quantization)."""
-        self._evictors: list[weakref.WeakMethod[Callable[[], bool]]] = []
         self._private: list[_Context] = []
         """Private contexts, in use or spare (closed with the model, never after it)."""
         self._lock = threading.RLock()
         """Held around every use of a context (batch, decode, memory): runtimes that share
-        this model step on threads of their own. Never held while an evictor runs, so that
-        evictors (other runtimes' prefix caches, with locks of their own) cannot deadlock."""
+        this model step on threads of their own."""
         self.decodes = 0
         """``llama_decode`` calls so far (tests count forwards with it)."""
 
@@ -180,7 +182,7 @@ class LlamaCppModel(EngineModel):
         return self.runner(needs.vocab_size), None
 
     def kv_budget(self) -> int:
-        """The pool's cells: every call and kept prefix on this model draws from them."""
+        """The pool's cells: every call on this model draws from them."""
         return self.context_tokens
 
     # ------------------------------------------------------------------ sequences
@@ -194,38 +196,18 @@ class LlamaCppModel(EngineModel):
         """Whether another job waits for the llama.cpp thread."""
         return compute_thread.wanted()
 
-    def add_evictor(self, evict: Callable[[], bool]) -> None:
-        """``evict`` (a bound method: held weakly) is called when the pool has no sequence id
-        or no cell left; it drops one kept prefix and returns True, or False when it holds
-        none. Every runtime over this model adds its prefix cache's."""
-        self._evictors.append(weakref.WeakMethod(evict))
-
-    def _evict(self) -> bool:
-        """Free one kept prefix through an evictor; False when none holds any."""
-        for ref in list(self._evictors):
-            evict = ref()
-            if evict is None:
-                self._evictors.remove(ref)
-            elif evict():
-                self._reap(self._shared)
-                return True
-        return False
-
     def sequence(self) -> LlamaSequence:
-        """A new, empty sequence in the shared pool (frees a kept prefix through an evictor
-        when none is left)."""
+        """A new, empty sequence in the shared pool."""
         shared = self._shared
-        while True:
-            self._reap(shared)
-            with self._lock:
-                if shared.free:
-                    return LlamaSequence(self, shared, shared.free.pop())
-            if not self._evict():
-                msg = (
-                    f"llama.cpp engine: all {self.max_sequences} sequences are in use "
-                    "(raise max_sequences or lower the runtime's max_active)"
-                )
-                raise GenerationError(msg)
+        self._reap(shared)
+        with self._lock:
+            if shared.free:
+                return LlamaSequence(self, shared, shared.free.pop())
+        msg = (
+            f"llama.cpp engine: all {self.max_sequences} sequences are in use "
+            "(raise max_sequences or lower the runtime's max_active)"
+        )
+        raise GenerationError(msg)
 
     def private_sequence(self, tokens: int) -> LlamaSequence:
         """A new, empty sequence in a context of its own with room for ``tokens`` positions:
@@ -269,6 +251,42 @@ class LlamaCppModel(EngineModel):
                 )
             copy.length = source.length
         return copy
+
+    def save_sequence(self, seq: LlamaSequence) -> KeptState:
+        """``seq``'s KV saved to host memory (a ``KeptState``): what the prefix cache keeps,
+        so that kept prefixes hold no cell of the pool (``KeptState`` says why). About 28 KB
+        per position for a 1.5B model; a copy of memory, no forward."""
+        if seq.private:
+            raise GenerationError("a private llama.cpp sequence is not copied (nor kept)")
+        lib, ctx = self._lib, self._shared.ctx
+        with self._lock:
+            size = int(lib.llama_state_seq_get_size_ext(ctx, seq.seq_id, 0))
+            data = np.empty(size, dtype=np.uint8)
+            written = lib.llama_state_seq_get_data_ext(ctx, _bytes(data), size, seq.seq_id, 0)
+        if written != size:
+            raise GenerationError(f"llama.cpp could not save a sequence of {seq.length} positions")
+        return KeptState(self, data, seq.length)
+
+    def restore_sequence(self, state: KeptState) -> LlamaSequence:
+        """A new sequence of the pool holding ``state``'s first ``length`` positions (its cells
+        go wherever the pool has room, as a forward's would)."""
+        if state._model is not self:
+            raise GenerationError("a kept llama.cpp prefix is restored only into its own model")
+        seq = self.sequence()
+        data = state.data
+        with self._lock:
+            read = self._lib.llama_state_seq_set_data_ext(
+                self._shared.ctx, _bytes(data), data.size, seq.seq_id, 0
+            )
+        if read != data.size:
+            msg = (
+                f"llama.cpp engine: no room in its KV pool of {self.context_tokens} tokens for "
+                f"a kept prefix of {state.saved} (raise context_tokens)"
+            )
+            raise GenerationError(msg)
+        seq.length = state.saved
+        seq.crop(state.length)
+        return seq
 
     def _remove(self, seq: LlamaSequence, start: int) -> None:
         with self._lock:
@@ -359,13 +377,10 @@ class LlamaCppModel(EngineModel):
                             for n, (item, row) in enumerate(wanted_rows):
                                 outputs[item][row] = logits[n]
                         break
-                shared = context is self._shared
-                if status == 1 and shared and self._evict():
-                    continue  # a kept prefix gave its cells back: try again
                 if status == 1:
                     where = (
                         f"its KV pool of {context.tokens} tokens (raise context_tokens)"
-                        if shared
+                        if context is self._shared
                         else f"the call's own KV of {context.tokens} tokens"
                     )
                     raise GenerationError(f"llama.cpp engine: no room in {where} for this forward")
@@ -433,6 +448,14 @@ class LlamaCppRunner(SettlesNothing, CopiedSequences):
 
     def adopt(self, cache: LlamaSequence) -> LlamaSequence:
         return cache
+
+    def kept(self, cache: LlamaSequence, copied: bool) -> KeptState:
+        """``cache``'s KV saved outside the pool (``LlamaCppModel.save_sequence``); a sequence
+        its call is done with (``copied=False``) gives its cells back at once."""
+        state = self.model.save_sequence(cache)
+        if not copied:
+            cache.crop(0)
+        return state
 
     def forward(
         self,

@@ -1,5 +1,6 @@
 """A llama.cpp model's contexts and sequences: one call's KV is a sequence id of a context and
-how many positions it holds (``LlamaCppModel`` creates, copies and frees them)."""
+how many positions it holds (``LlamaCppModel`` creates, copies and frees them); a kept prefix
+is a sequence's KV saved to host memory (``KeptState``), outside the pool."""
 
 from __future__ import annotations
 
@@ -7,19 +8,21 @@ import collections
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ...decoding.engine import cropped_length
 from ...errors import GenerationError
 
 if TYPE_CHECKING:
     from .model import LlamaCppModel
 
-__all__ = ["LlamaSequence"]
+__all__ = ["KeptState", "LlamaSequence"]
 
 
 class _Context:
     """One llama context over the model's weights: its KV memory, its batch and the ids of
-    its sequences. The model's shared context holds every ordinary call and kept prefix in one
-    unified pool; a private one holds a single call (``LlamaCppModel.private_sequence``)."""
+    its sequences. The model's shared context holds every ordinary call in one unified pool; a
+    private one holds a single call (``LlamaCppModel.private_sequence``)."""
 
     def __init__(
         self,
@@ -107,3 +110,37 @@ class LlamaSequence:
         context = getattr(self, "_context", None)
         if context is not None:
             context.released.append(self.seq_id)
+
+
+class KeptState:
+    """A kept prefix: the KV of a sequence's first ``length`` positions, saved to host memory
+    (``LlamaCppModel.save_sequence``). It holds no cell of the pool: every forward reads the
+    mask over the cells up to the highest one in use, so a prefix kept in the pool (above all
+    one kept at its top) slowed every step of every call by about a third on a 2-core CPU,
+    where restoring one costs milliseconds per thousand tokens.
+
+    It behaves as a ``KVSequence`` for the prefix cache: ``get_seq_length``, ``crop`` (only the
+    recorded length: positions past it are dropped once restored) and ``copy.deepcopy``, which
+    restores it into a new sequence of the pool (``LlamaCppModel.restore_sequence``)."""
+
+    __slots__ = ("_model", "data", "length", "saved")
+
+    def __init__(self, model: LlamaCppModel, data: np.ndarray, length: int) -> None:
+        self._model = model
+        self.data = data
+        """The saved state (llama.cpp's format, this model's layout)."""
+        self.saved = length
+        """Positions the saved state holds."""
+        self.length = length
+        """Positions a restored copy keeps (at most ``saved``)."""
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, max_length: int) -> None:
+        keep = cropped_length(self.length, max_length)
+        if keep is not None:
+            self.length = keep
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LlamaSequence:
+        return self._model.restore_sequence(self)

@@ -46,9 +46,9 @@ class PrefixCache:
     marker that every prompt starts with (a copy taken on every call for next to nothing).
 
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
-    must never change. Its own worker uses it; an engine shared by several runtimes may ask it
-    to evict from another runtime's worker thread, so a lock guards it (``evict_oldest`` never
-    waits for it: two workers each evicting from the other's cache must not deadlock).
+    must never change. An engine keeps what suits it (``Runner.kept``): transformers a copy of
+    the cache, llama.cpp the sequence's KV saved to host memory, outside its pool. A lock
+    guards it: its worker stores and looks up, other threads read its counters and ``held``.
     """
 
     def __init__(
@@ -178,19 +178,6 @@ class PrefixCache:
         """Tokens ``principal`` holds (its sub-tenants' together)."""
         with self._lock:
             return self._scope_sizes.get(principal, 0)
-
-    def evict_oldest(self) -> bool:
-        """Drop the largest scope's least recently used entry (an engine short of sequences or
-        memory asks); False when there is none, or when another thread holds this cache now."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            if not self._entries:
-                return False
-            self._evict_from_largest()
-            return True
-        finally:
-            self._lock.release()
 
     def clear(self) -> None:
         """Forget every entry (counters stay)."""
