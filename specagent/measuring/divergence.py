@@ -103,7 +103,14 @@ def _engine_report(
     the largest difference between the two over the ten likeliest tokens; the tokens were a tie
     within the engine's rounding where ``|margin| <= 2 * engine_error``. Splitting the prompt
     matters at the first token: fed whole on both paths, the two would be one computation and a tie
-    there (a call that reused a kept prefix prefilled the rest apart) would read as no error."""
+    there (a call that reused a kept prefix prefilled the rest apart) would read as no error.
+
+    The reference is another program's output (llama-cpp-python's ``Llama``, which batches its
+    prompt and reuses its last call's KV its own way). Where the engine fed plain's very tokens
+    prefers the output's (``plain_margin < 0``), the reference's rounding differed from the
+    engine's by at least that much (``reference_error``), and the tie is judged against the
+    larger of the two errors. No drafting can cause that: plain's path is computed afresh here,
+    one token per forward; a drafting bug leaves ``plain_margin`` positive."""
     at = _first_difference(reference, output)
     report: dict[str, Any] = {"at": at}
     if at >= min(len(reference), len(output)):
@@ -122,12 +129,15 @@ def _engine_report(
     margin = float(split[plain_token] - split[token])
     top = split.topk(10).indices
     error = float((own[top] - split[top]).abs().max())
+    plain_margin = float(own[plain_token] - own[token])
+    reference_error = max(0.0, -plain_margin)
     report.update(
         plain_token=plain_token,
         token=token,
-        plain_margin=round(float(own[plain_token] - own[token]), 4),
+        plain_margin=round(plain_margin, 4),
         margin=round(margin, 4),
         engine_error=round(error, 4),
-        near_tie=abs(margin) <= 2 * error,
+        reference_error=round(reference_error, 4),
+        near_tie=abs(margin) <= 2 * max(error, reference_error),
     )
     return report

@@ -325,6 +325,37 @@ def test_a_first_token_tie_is_judged_along_a_split_prefill(runtime, tokenizer) -
     assert model.decodes - before == 3
 
 
+def test_a_reference_the_engine_would_not_write_is_judged_by_its_own_rounding(
+    runtime, tokenizer
+) -> None:
+    """The reference is another program's greedy output (llama-cpp-python's ``Llama``): where
+    the engine, fed the reference's very tokens, prefers the output's token, the reference
+    rounded differently by at least that margin, and a difference within it is a near tie. An
+    output that took a token the engine ranks below the reference's (what a drafting bug
+    writes) is not."""
+    from specagent.measuring.divergence import explain_divergence
+
+    runner = runtime._decoder.target_runner
+    prompt = tokenizer.encode(f"{TEXTS[1]} {TEXTS[2]}")
+    row = runner.forward(prompt, runner.new_cache(), keep=1)[-1]
+    top = row.topk(3)
+    first, second, third = top.indices.tolist()
+    gap = float(top.values[0] - top.values[1])
+    assert gap > 2 * 1e-3  # a real gap, not a tie in this tiny model's rounding
+    # The reference (its runner-up, as another program's rounding may pick) against the
+    # engine's own choice: the engine's margin along plain's path is the reference's error.
+    (other_rounding,) = explain_divergence(runtime, [(prompt, [second], [first])])
+    assert other_rounding["plain_margin"] == pytest.approx(-gap, abs=1e-4)
+    assert other_rounding["reference_error"] == pytest.approx(gap, abs=1e-4)
+    assert other_rounding["near_tie"]
+    # The engine's choice as the reference, a lower-ranked token as the output: no error of the
+    # reference's to excuse it.
+    (bug,) = explain_divergence(runtime, [(prompt, [first], [third])])
+    assert bug["plain_margin"] > 0
+    assert bug["reference_error"] == 0
+    assert not bug["near_tie"]
+
+
 @pytest.mark.anyio
 async def test_concurrent_calls_through_the_runtime_equal_plain_greedy(runtime, tokenizer) -> None:
     assert runtime.engine == "llama.cpp"
@@ -389,6 +420,11 @@ async def test_a_kept_prefix_needs_no_sequence_of_its_own(gguf_file, tokenizer) 
         second = await rt.generate(text, policy="plain", tenant="t")
         assert first.token_ids == second.token_ids
         assert second.usage.cached_input_tokens > 0
+        # Each kept token is a copy of a cell's KV in host memory: never more than the pool.
+        assert rt.prefix_cache is not None
+        assert (
+            rt.prefix_cache.max_tokens == model.kv_budget() < RuntimeOptions().prefix_cache_tokens
+        )
     finally:
         rt.close()
 
