@@ -37,7 +37,7 @@ from ..policy.schema import (
 from ..runtime import SpecRuntime
 from .baselines import Method, prepared_methods, start_round
 from .divergence import explain_divergence, tally_differences
-from .records import dtypes_of, geomean, peak_rss_mb
+from .records import dtypes_of, geomean, in_turn, peak_rss_mb
 
 __all__ = ["PROMPTS", "BenchResult", "run_bench", "write_chart"]
 
@@ -192,7 +192,8 @@ def run_bench(
     """Run every method on every prompt (the runtime's policies must be ``bench_policies``).
 
     With ``repeats`` > 1 the whole set runs that many rounds, methods interleaved within each
-    round, and each cell reports its median round: a slow spell of a shared machine then hits
+    round (each method first in turn from one prompt to the next: ``records.in_turn``), and
+    each cell reports its median round: a slow spell of a shared machine then hits
     every method alike instead of deciding one comparison. ``methods`` keeps only the methods
     named (plain always runs: it is the reference). Every method runs on the runtime's own
     model objects, so in the same dtype; ``baselines`` adds methods of other programs on the
@@ -221,20 +222,23 @@ def run_bench(
     timed_own = {name: runs[name] for name in own if name in runs}
     for round_index in range(repeats):
         start_round(runtime, timed_own, new_round)
-        for prompt_name, ids in rendered_prompts.items():
-            reference: list[int] | None = None
-            for name, method in runs.items():
+        for prompt_index, (prompt_name, ids) in enumerate(rendered_prompts.items()):
+            outputs: dict[str, tuple[list[int], Any, float]] = {}
+            turn = round_index * len(rendered_prompts) + prompt_index
+            for name in in_turn(list(runs), turn):
                 start = time.perf_counter()
-                tokens, stats = method(ids, round_index)
-                seconds = time.perf_counter() - start
+                tokens, stats = runs[name](ids, round_index)
+                outputs[name] = (tokens, stats, time.perf_counter() - start)
+            reference = outputs["plain"][0]
+            for name in runs:
+                tokens, stats, seconds = outputs[name]
                 row = MethodResult(
                     tokens=len(tokens),
                     seconds=round(seconds, 3),
                     tokens_per_s=round(len(tokens) / seconds, 3),
                 )
-                if reference is None:
-                    reference = tokens
-                elif name not in sampled and (stats is None or stats.mode == "lossless"):
+                lossless = stats is None or stats.mode == "lossless"
+                if name != "plain" and name not in sampled and lossless:
                     row.equal_to_plain = tokens == reference
                     if not row.equal_to_plain:
                         differ.append((row, ids, reference, tokens))

@@ -35,7 +35,7 @@ from ..runtime import SpecRuntime
 from .baselines import Method, prepared_methods, start_round
 from .divergence import explain_divergence, tally_differences
 from .edit_tasks import EditTask, edit_tasks, rewrite_task
-from .records import dtypes_of, geomean, peak_rss_mb
+from .records import dtypes_of, geomean, in_turn, peak_rss_mb
 
 __all__ = ["EditBenchResult", "edit_policies", "run_edit_bench"]
 
@@ -143,9 +143,10 @@ def run_edit_bench(
     new_round: Callable[[], None] | None = None,
 ) -> EditBenchResult:
     """Every method over every task, ``repeats`` rounds (the runtime's policies:
-    ``edit_policies``); ``new_round`` starts the ``baselines`` of other programs afresh before
-    each round (untimed). Each method reuses what its last call's KV shares with the next
-    prompt (the system prompt), as a user's process does (``baselines.start_round``)."""
+    ``edit_policies``), each method first in turn from one task to the next (``in_turn``);
+    ``new_round`` starts the ``baselines`` of other programs afresh before each round
+    (untimed). Each method reuses what its last call's KV shares with the next prompt (the
+    system prompt), as a user's process does (``baselines.start_round``)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if runtime.tokenizer is None:
@@ -188,10 +189,10 @@ def run_edit_bench(
     timed_own = {name: runs[name] for name in own if name in runs}
     for round_index in range(repeats):
         start_round(runtime, {**timed_own, **predicted}, new_round)
-        for task in chosen:
+        for task_index, task in enumerate(chosen):
             ids = render_prompt(task.messages(), runtime.tokenizer, vocab_size=runtime.vocab_size)
-            reference: list[int] = []
-            for name in [*runs, *predicted]:
+            outputs: dict[str, tuple[EditRun, list[int]]] = {}
+            for name in in_turn([*runs, *predicted], round_index * len(chosen) + task_index):
                 start = time.perf_counter()
                 if name in predicted:
                     tokens, stats = predicted[name](ids, round_index, task.prediction)
@@ -199,10 +200,10 @@ def run_edit_bench(
                     tokens, stats = runs[name](ids, round_index)
                 seconds = time.perf_counter() - start
                 text = str(runtime.tokenizer.decode(tokens, skip_special_tokens=True))
-                row = _row(task, tokens, seconds, text, stats)
-                if name == "plain":
-                    reference = tokens
-                else:
+                outputs[name] = (_row(task, tokens, seconds, text, stats), tokens)
+            reference = outputs["plain"][1]
+            for name, (row, tokens) in outputs.items():
+                if name != "plain":
                     row.equal_to_plain = tokens == reference
                     if tokens != reference and name.startswith("specagent_"):
                         differ.append((row, ids, reference, tokens))

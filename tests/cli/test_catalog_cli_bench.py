@@ -456,3 +456,16 @@ def test_bench_reuses_only_the_kv_a_baseline_would_find(target, draft, tokenizer
         held[policy].append(ids)
     assert timed == 2 * 2 * 2  # methods x prompts x rounds
     assert sum(cached > 0 for *_, cached in calls) >= 4  # the second prompt of each round
+
+
+def test_bench_methods_take_turns_running_first() -> None:
+    """A host drifts within minutes: over as many tasks as there are methods, each method runs
+    first once and last once, and every task runs every method."""
+    from specagent.measuring.records import in_turn
+
+    names = ["plain", "llama_server", "specagent_lossless-auto"]
+    orders = [in_turn(names, turn) for turn in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert {order[0] for order in orders} == set(names) == {order[-1] for order in orders}
+    assert in_turn(names, len(names)) == names
+    assert in_turn([], 3) == []
