@@ -202,7 +202,8 @@ def run_edit_bench(
                 text = str(runtime.tokenizer.decode(tokens, skip_special_tokens=True))
                 outputs[name] = (_row(task, tokens, seconds, text, stats), tokens)
             reference = outputs["plain"][1]
-            for name, (row, tokens) in outputs.items():
+            for name in [*runs, *predicted]:
+                row, tokens = outputs[name]
                 if name != "plain":
                     row.equal_to_plain = tokens == reference
                     if tokens != reference and name.startswith("specagent_"):

@@ -48,7 +48,7 @@ class PrefixCache:
     Copies are deep: the decoding loop appends to and crops its cache in place, and a kept entry
     must never change. An engine keeps what suits it (``Runner.kept``): transformers a copy of
     the cache, llama.cpp the sequence's KV saved to host memory, outside its pool. A lock
-    guards it: its worker stores and looks up, other threads read its counters and ``held``.
+    guards it: its worker stores and looks up while other threads may clear it.
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         try:
             cache = copy.deepcopy(self._entries[best_key])
-        except GenerationError:  # an engine with no sequence left for the copy: start cold
+        except GenerationError:  # no sequence or no room left in the engine for it: start cold
             return None, 0
         crop_to(cache, best_len)
         self.hits += 1
@@ -135,7 +135,7 @@ class PrefixCache:
             self._drop(old)
         try:
             kept = _runner_of(owner).kept(cache, copy)
-        except GenerationError:  # an engine with no sequence left for a copy: keep none
+        except GenerationError:  # the engine could not copy or save it: keep none
             return
         crop_to(kept, len(tokens))  # a first forward fed more after them (the drafts)
         self._entries[key] = kept
