@@ -15,6 +15,15 @@ lossless output is compared with plain greedy token for token (a difference expl
 near-tie or not, ``explain_divergence``). The history is cleared before every specagent call:
 each call drafts from its own prompt (and prediction) only, never from an earlier round's output
 of the same task.
+
+Beside the methods, each task's *floor*: the seconds of one forward of the target over the prompt
+and plain's output together, as a prefill runs it (``floor_seconds``). Any lossless method on
+this engine passes every one of those positions through the target at least once, and no forward
+does it cheaper per position than a prefill's wide one (speculative verification also computes
+every row's logits), so no method can finish a task in less. ``summary["floor"]`` says how
+close each method came (``share_of_floor``) and the most any method could gain on the best
+baseline on this machine (``ceiling_vs_best_baseline``): on a CPU whose wide forwards cost
+nearly as much per position as single steps, that ceiling, not the drafter, bounds the edits.
 """
 
 from __future__ import annotations
@@ -93,6 +102,8 @@ class EditBenchResult:
     machine: dict[str, Any] = field(default_factory=machine_info)
     precision: dict[str, Any] = field(default_factory=dict)
     peak_rss_mb: float | None = None
+    floors: dict[str, float] = field(default_factory=dict)
+    """Per task: the median round's ``floor_seconds`` (the least any lossless method needs)."""
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -185,6 +196,7 @@ def run_edit_bench(
     )
     out.precision = dtypes_of(runtime)
     rounds: dict[str, dict[str, list[EditRun]]] = {t.id: {} for t in chosen}
+    floors: dict[str, list[float]] = {t.id: [] for t in chosen}
     differ: list[tuple[EditRun, list[int], list[int], list[int]]] = []
     timed_own = {name: runs[name] for name in own if name in runs}
     for round_index in range(repeats):
@@ -202,6 +214,7 @@ def run_edit_bench(
                 text = str(runtime.tokenizer.decode(tokens, skip_special_tokens=True))
                 outputs[name] = (_row(task, tokens, seconds, text, stats), tokens)
             reference = outputs["plain"][1]
+            floors[task.id].append(floor_seconds(runtime, ids, reference))
             for name in [*runs, *predicted]:
                 row, tokens = outputs[name]
                 if name != "plain":
@@ -215,6 +228,7 @@ def run_edit_bench(
             name: sorted(rows, key=lambda r: r.seconds)[len(rows) // 2]
             for name, rows in by_method.items()
         }
+    out.floors = {t: round(statistics.median(f), 3) for t, f in floors.items()}
     out.peak_rss_mb = peak_rss_mb()
     reported = {id(r) for rows in out.tasks.values() for r in rows.values()}
     explain = [d for d in differ if id(d[0]) in reported]
@@ -224,8 +238,22 @@ def run_edit_bench(
             explain, explain_divergence(runtime, [d[1:] for d in explain]), strict=True
         ):
             row.divergence = report
-    out.summary = summarise(out.tasks)
+    out.summary = summarise(out.tasks, out.floors)
     return out
+
+
+def floor_seconds(runtime: SpecRuntime, prompt: list[int], output: list[int]) -> float:
+    """Seconds of one forward of the runtime's target over ``prompt`` and ``output`` together,
+    as a prefill runs it (in the engine's batches, logits of the last position only): the least
+    compute any lossless method needs to emit ``output`` after ``prompt`` on this engine."""
+    runner = runtime._decoder.target_runner
+    cache = runner.new_cache()
+    start = time.perf_counter()
+    logits = runner.forward([*prompt, *output], cache, keep=1)
+    float(logits[-1, 0])  # synchronise with the device before reading the clock
+    seconds = time.perf_counter() - start
+    del cache
+    return seconds
 
 
 def _row(task: EditTask, tokens: list[int], seconds: float, text: str, stats: Any) -> EditRun:
@@ -243,9 +271,13 @@ def _row(task: EditTask, tokens: list[int], seconds: float, text: str, stats: An
     return row
 
 
-def summarise(tasks: dict[str, dict[str, EditRun]]) -> dict[str, Any]:
+def summarise(
+    tasks: dict[str, dict[str, EditRun]], floors: Mapping[str, float] | None = None
+) -> dict[str, Any]:
     """Tokens/s over all tasks, speed-ups (total time and per task) against plain, each
-    baseline and the best baseline per task, edits applied, and lossless outputs' agreement."""
+    baseline and the best baseline per task, edits applied, lossless outputs' agreement, and
+    where ``floors`` are given, each method's share of the floor and the floor's speed-up on
+    the best baseline (the ceiling: the most any lossless method could gain on this machine)."""
     methods = list(next(iter(tasks.values())))
     seconds = {m: {t: rows[m].seconds for t, rows in tasks.items() if m in rows} for m in methods}
     tokens = {m: sum(rows[m].tokens for rows in tasks.values() if m in rows) for m in methods}
@@ -280,6 +312,12 @@ def summarise(tasks: dict[str, dict[str, EditRun]]) -> dict[str, Any]:
             for source, n in (row.accepted_by_source or {}).items():
                 sources.setdefault(m, {})[source] = sources.get(m, {}).get(source, 0) + n
     summary["accepted_by_source"] = sources
+    if floors:
+        summary["floor"] = {
+            "seconds": round(sum(floors.values()), 3),
+            "share_of_floor": {m: _ratios(floors, seconds[m])["total_time"] for m in methods},
+            "ceiling_vs_best_baseline": _ratios(best, floors),
+        }
     return summary
 
 

@@ -1,6 +1,6 @@
 """``specagent bench --workload edits``: its tasks tell an applied edit from the untouched text,
 and the bench runs every method (with and without the prediction) on a tiny runtime, checks
-lossless outputs against plain greedy and writes its result."""
+lossless outputs against plain greedy, times each task's floor and writes its result."""
 
 from __future__ import annotations
 
@@ -70,8 +70,16 @@ def test_the_bench_runs_every_method_on_a_tiny_runtime(tokenizer, tmp_path: Path
         "specagent_lossless-auto",
         "specagent_lossless-auto+prediction",
     }
+    # Each task's floor: one prefill over its prompt and plain's output, reported beside the
+    # methods as the least any lossless method needs, and the ceiling it sets on the baselines.
+    assert set(result.floors) == set(result.tasks)
+    assert all(seconds > 0 for seconds in result.floors.values())
+    floor = summary["floor"]
+    assert set(floor["share_of_floor"]) == set(next(iter(result.tasks.values())))
+    assert set(floor["ceiling_vs_best_baseline"]["per_task"]) == set(result.tasks)
     path = save_edit_bench(result, tmp_path, "edits")
     saved = json.loads(path.read_text())
+    assert saved["floors"] == result.floors
     assert saved["machine"]["cpu"]
     assert saved["kinds"]["rewrite-json-as-yaml"] == "rewrite"
 
