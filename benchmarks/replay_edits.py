@@ -2,7 +2,7 @@
 machine's verify curve: how many single-token target steps each drafting rule needs, without
 the host's drift, and on the curve of a machine kind this host is not.
 
-    python benchmarks/replay_edits.py \
+    python benchmarks/replay_edits.py --curves here zen4 xeon-amx \
         --out benchmarks/results/replay-edits_qwen2.5-coder-1.5b-instruct.json
 
 The oracle output of a task is its expected text in a code fence (what the model returns when it
@@ -18,13 +18,19 @@ steps a real run takes. Rules replayed, each over the task's rendered prompt:
 - ``ngram_mod``: llama.cpp's ``ngram-mod`` as llama-server runs it (a hash of every 24-token
   window of the prompt and output to the token after it, the output's windows added 32 tokens
   at a time; a draft chains the table from the last 24 tokens, 48 to 64 tokens or none; three
-  drafts in a row under half accepted reset the table).
+  drafts in a row under half accepted reset the table);
+- ``oracle``: ``specagent`` given the output itself as the prediction (a drafter that knows the
+  answer, its draft lengths still its own);
+- ``bound``: every output token verified at the curve's cheapest cost per row (the most any
+  drafter could save on this curve).
 
-Curves, in single-token steps per forward of n rows: ``zen4``, the llama.cpp engine's curve for
-Qwen2.5-Coder-1.5B Q4_K_M as the cost book measured it on the Zen 4 (32 tokens of context, 1-65
-rows); ``xeon-amx``, the Xeon's measured points
-(2 rows 1.39, 4 rows 2.08, 8 rows 3.23, 16 rows 3.41, 32 rows about 3.7; linear between, past 32
-extrapolated from 16-32). Prefills are left out (every rule pays the same one).
+Curves, in single-token steps per forward of n rows: ``here``, this machine's, as the runtime's
+cost book measured (or stored) it for the target on the llama.cpp engine (saved under the
+machine's kind); ``zen4``, the llama.cpp engine's curve for Qwen2.5-Coder-1.5B Q4_K_M as the cost
+book measured it on the Zen 4 (32 tokens of context, 1-65 rows); ``xeon-amx``, the Xeon's
+measured points (2 rows 1.39, 4 rows 2.08, 8 rows 3.23, 16 rows 3.41, 32 rows about 3.7; linear
+between, past 32 extrapolated from 16-32). Prefills are left out (every rule pays the same one;
+``specagent bench --workload edits`` times them, and each task's floor).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from specagent.catalog import resolve_model
 from specagent.chat import render_prompt
 from specagent.decoding.costs import CostModel
 from specagent.decoding.drafters.suffix import SuffixDrafter
-from specagent.machine import machine_info
+from specagent.machine import machine_info, machine_kind
 from specagent.measuring.edit_tasks import EditTask, edit_tasks, rewrite_task
 
 ZEN4 = (
@@ -61,7 +67,24 @@ K = 64
 NGRAM_N, NGRAM_MIN, NGRAM_MAX = 24, 48, 64
 
 
-def curve(name: str) -> CostModel:
+def measured_curve(target: str) -> CostModel:
+    """This machine's verify curve for ``target`` on the llama.cpp engine, up to K + 1 rows, as
+    the runtime's cost book has it (measured now where this machine stored none)."""
+    from specagent.measuring.edit_bench import edit_policies
+    from specagent.runtime import SpecRuntime
+
+    runtime = SpecRuntime.from_pretrained(target, engine="llama.cpp", policies=edit_policies(False))
+    try:
+        if not runtime.wait_measured(timeout=3600):
+            raise RuntimeError("the step costs were still being measured after an hour")
+        return runtime._decoder.costs.model(None)
+    finally:
+        runtime.close()
+
+
+def curve(name: str, target: str) -> CostModel:
+    if name == "here":
+        return measured_curve(target)
     if name == "xeon-amx":
         points = sorted(XEON_POINTS.items())
         slope = (XEON_POINTS[32] - XEON_POINTS[16]) / 16
@@ -143,6 +166,7 @@ def _accepted(draft: Sequence[int], output: Sequence[int], done: int) -> int:
 def replay(tasks: list[EditTask], tokenizer: Any, costs: CostModel) -> dict[str, Any]:
     """Every rule over every task on one curve: single-token steps per task, and totals."""
     rows: dict[str, dict[str, float]] = {}
+    cheapest = min(costs.verify_cost(n) / n for n in range(1, K + 2))
     for task in tasks:
         prompt = render_prompt(task.messages(), tokenizer, vocab_size=len(tokenizer))
         fence = "yaml" if task.kind == "rewrite" else task.language
@@ -155,8 +179,10 @@ def replay(tasks: list[EditTask], tokenizer: Any, costs: CostModel) -> dict[str,
             "ngram_mod": round(ngram_mod_steps(prompt, output, costs)[1], 2),
             "specagent": round(specagent_steps(prompt, output, costs)[1], 2),
             "specagent+prediction": round(specagent_steps(prompt, output, costs, prediction)[1], 2),
+            "oracle": round(specagent_steps(prompt, output, costs, output)[1], 2),
+            "bound": round(len(output) * cheapest, 2),
         }
-    methods = ("plain", "ngram_mod", "specagent", "specagent+prediction")
+    methods = ("plain", "ngram_mod", "specagent", "specagent+prediction", "oracle", "bound")
     totals = {m: sum(r[m] for r in rows.values()) for m in methods}
     summary = {
         "speedup_vs_plain": {m: round(totals["plain"] / t, 3) for m, t in totals.items()},
@@ -164,6 +190,8 @@ def replay(tasks: list[EditTask], tokenizer: Any, costs: CostModel) -> dict[str,
         "specagent+prediction_vs_ngram_mod": round(
             totals["ngram_mod"] / totals["specagent+prediction"], 3
         ),
+        "oracle_vs_ngram_mod": round(totals["ngram_mod"] / totals["oracle"], 3),
+        "bound_vs_ngram_mod": round(totals["ngram_mod"] / totals["bound"], 3),
     }
     return {"verify_curve": [round(v, 3) for v in costs.verify], "summary": summary, "tasks": rows}
 
@@ -171,7 +199,7 @@ def replay(tasks: list[EditTask], tokenizer: Any, costs: CostModel) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--curves", nargs="+", choices=["zen4", "xeon-amx"], default=["zen4", "xeon-amx"]
+        "--curves", nargs="+", choices=["here", "zen4", "xeon-amx"], default=["zen4", "xeon-amx"]
     )
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--out", type=Path, default=None)
@@ -182,8 +210,9 @@ def main() -> None:
     tasks: list[EditTask] = [*edit_tasks(), rewrite_task()]
     replays = {}
     for name in args.curves:
-        replays[name] = replay(tasks, tokenizer, curve(name))
-        print(name, json.dumps(replays[name]["summary"], indent=1))
+        key = machine_kind() if name == "here" else name
+        replays[key] = replay(tasks, tokenizer, curve(name, args.target))
+        print(key, json.dumps(replays[key]["summary"], indent=1))
     result = {"target": args.target, "machine": machine_info(), "curves": replays}
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
