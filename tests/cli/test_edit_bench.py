@@ -77,6 +77,7 @@ def test_the_bench_runs_every_method_on_a_tiny_runtime(tokenizer, tmp_path: Path
     floor = summary["floor"]
     assert set(floor["share_of_floor"]) == set(next(iter(result.tasks.values())))
     assert set(floor["ceiling_vs_best_baseline"]["per_task"]) == set(result.tasks)
+    assert set(floor["ceiling_vs"]) == {"plain"}
     path = save_edit_bench(result, tmp_path, "edits")
     saved = json.loads(path.read_text())
     assert saved["floors"] == result.floors
