@@ -46,7 +46,6 @@ def table_logits(context: Sequence[int], seed: int = 1000) -> torch.Tensor:
 
 class FakeRunner(SettlesNothing, CopiedSequences):
     inputs = ForwardInputs()
-    costs_every_length = False
 
     def __init__(self, model: FakeModel, vocab_size: int | None = None) -> None:
         self.model = model

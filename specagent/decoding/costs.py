@@ -158,9 +158,7 @@ def prior_costs(target: Runner, draft: Runner | None) -> CostModel:
 
 MEASURED_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64)
 """Forward lengths ``measure_costs`` times (every one up to 8, where kernels switch most; then a
-grid, and always the longest asked for); the ones between are interpolated. A runner whose
-costs jump between neighbouring lengths (``Runner.costs_every_length``) is timed at every
-length."""
+grid, and always the longest asked for); the ones between are interpolated."""
 Steps = Generator[None, None, Any]
 R = TypeVar("R")
 
@@ -184,8 +182,7 @@ def measure_costs(
     best k on a GPU. The curve is kept as measured, even where it falls: matrix libraries switch
     kernels with the row count (with MKL on 2 cores, 4 to 12 rows cost up to twice as much per
     row as 16), and a curve forced to rise would hide the long drafts that pay. Lengths between
-    the measured ones (``MEASURED_LENGTHS``) are interpolated, except for a runner timed at
-    every length (``Runner.costs_every_length``)."""
+    the measured ones (``MEASURED_LENGTHS``) are interpolated."""
     steps = measure_steps(
         target,
         draft,
@@ -209,10 +206,7 @@ def measure_steps(
     """``measure_costs`` one timing at a time (it yields after each), returning the model."""
 
     def curve(runner: Runner, longest: int) -> Generator[None, None, dict[int, float]]:
-        if runner.costs_every_length:
-            lengths = list(range(1, longest + 1))
-        else:
-            lengths = sorted({n for n in MEASURED_LENGTHS if n < longest} | {1, longest})
+        lengths = sorted({n for n in MEASURED_LENGTHS if n < longest} | {1, longest})
         return runner.tune(lengths, context_tokens=context_tokens, repeats=repeats)
 
     if draft is not None and max_tokens <= 1:

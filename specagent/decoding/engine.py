@@ -113,12 +113,6 @@ class Runner(Protocol):
     """Columns of every logits tensor returned (a draft's aligned to the target's)."""
     device: torch.device
     """Where the returned logits live."""
-    costs_every_length: bool
-    """Whether its step costs must be timed at every forward length, not on a grid with the
-    lengths between interpolated (``costs.MEASURED_LENGTHS``): where the engine's matrix
-    kernels take rows in blocks and the rest one at a time (llama.cpp's repacked weights: four
-    rows at a time, each row left over a pass of its own over the weights), a length's cost
-    jumps between neighbours, and a grid of block multiples hides every jump."""
 
     @property
     def inputs(self) -> ForwardInputs:

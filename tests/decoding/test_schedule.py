@@ -234,7 +234,6 @@ class _SpelledRunner(SettlesNothing):
     its first forward starts the clock's slow spell."""
 
     vocab_size = 8
-    costs_every_length = False
 
     def __init__(self, clock: _Clock, per_token: float = 1.0, starts_spell: bool = False) -> None:
         self.clock, self.per_token, self.starts_spell = clock, per_token, starts_spell
@@ -281,42 +280,3 @@ def test_a_draft_step_is_priced_in_turns_with_the_target_s(monkeypatch) -> None:
     assert clock.spell  # the premise: the draft was timed in the spell, the target's curve not
     assert costs.draft_step == pytest.approx(0.25)
     assert costs.draft_cost(8) == pytest.approx(2.0)
-
-
-class _BlockedRunner(_SpelledRunner):
-    """ggml's repacked kernels, as timed on Zen 3: rows four at a time (a block costs two
-    single steps), each row left over a single step of its own."""
-
-    def forward(self, tokens, cache, keep=None):
-        blocks, left = divmod(len(tokens), 4)
-        self.clock.run(2.0 * blocks + 1.0 * left)
-        cache.tokens.extend(tokens)
-        return torch.zeros(len(tokens), self.vocab_size)
-
-
-@pytest.mark.parametrize("every_length", [True, False])
-def test_a_runner_whose_costs_jump_between_lengths_is_timed_at_every_length(
-    monkeypatch, every_length: bool
-) -> None:
-    """On a grid of multiples of four (12, 16, 24, ...) the lengths between interpolate to the
-    cheap blocks' price: 21 rows read as 10.5 steps where they cost 11, and a draft planned on
-    that curve pays a row left over it was told was nearly free. A runner that declares such
-    jumps (``costs_every_length``) is timed at every length, and the planner then sees the
-    steps as they are."""
-    from specagent.decoding import costs as costs_module
-    from specagent.decoding.costs import measure_costs
-
-    clock = _Clock()
-    monkeypatch.setattr(costs_module, "time", clock)
-    runner = _BlockedRunner(clock)
-    runner.costs_every_length = every_length
-    costs = measure_costs(runner, None, 33, repeats=1)
-    truth = {n: 2.0 * (n // 4) + n % 4 for n in range(1, 34)}
-    if every_length:
-        assert costs.verify == pytest.approx(tuple(truth[n] for n in range(1, 34)))
-        # A 21st row costs a whole step more than 20 rows: the planner sees its price.
-        assert costs.verify_cost(21) - costs.verify_cost(20) == pytest.approx(1.0)
-    else:
-        assert costs.verify_cost(16) == pytest.approx(8.0)
-        assert costs.verify_cost(21) == pytest.approx(10.5)  # interpolated: the jump hidden
-        assert costs.verify_cost(21) < truth[21]

@@ -415,10 +415,6 @@ class LlamaCppRunner(SettlesNothing, CopiedSequences):
     inputs = ForwardInputs()
     """No token trees (they need a custom attention mask, which llama.cpp's batch API does not
     take) and the whole vocabulary."""
-    costs_every_length = True
-    """With repacked weights ggml multiplies a batch's rows four at a time and each row left
-    over alone, at about the price of a single-token step (measured on Zen 3: 5 rows 1.3 steps
-    dearer than 4, 65 rows 2.3 dearer than 64): its costs are timed at every length."""
 
     def __init__(
         self, model: LlamaCppModel, vocab_size: int | None = None, private_tokens: int = 0

@@ -66,9 +66,6 @@ class ModelRunner:
     settled they do not change: a later ``tune`` only times them.
     """
 
-    costs_every_length = False
-    """Its kernels are chosen per row count at ``tune``, on the cost grid's lengths."""
-
     def __init__(
         self,
         model: PreTrainedModel,

@@ -95,11 +95,7 @@ class CostBook:
     def _curve(
         self, what: str, runner: Runner, draft: Runner | None
     ) -> Generator[None, None, None]:
-        # A curve timed at every length is another measurement than the grid's (the grid's
-        # stored curves stay valid for the runners still timed on it).
-        grid = "-every-length" if runner.costs_every_length else ""
-        own, target = runner.speed_key(self.longest), self.target.speed_key()
-        key = f"{what}-v{COSTS_VERSION}{grid}:{own}:{target}"
+        key = f"{what}-v{COSTS_VERSION}:{runner.speed_key(self.longest)}:{self.target.speed_key()}"
         with self._lock:
             if self._done(what, runner):
                 return
