@@ -252,9 +252,7 @@ def floor_seconds(runtime: SpecRuntime, prompt: list[int], output: list[int]) ->
     start = time.perf_counter()
     logits = runner.forward([*prompt, *output], cache, keep=1)
     float(logits[-1, 0])  # synchronise with the device before reading the clock
-    seconds = time.perf_counter() - start
-    del cache
-    return seconds
+    return time.perf_counter() - start
 
 
 def _row(task: EditTask, tokens: list[int], seconds: float, text: str, stats: Any) -> EditRun:
